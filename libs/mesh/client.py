@@ -1,0 +1,134 @@
+"""Typed NATS client: msgpack messages, trace context in headers, timeouts.
+
+Every message on the wire is a ``deepinfer.protocol`` dataclass. Handlers are
+wrapped so that each incoming message runs inside a span whose parent is the
+sender's ``traceparent`` header, and so that a handler that raises answers the
+requester with an ``ErrorReply`` instead of leaving it to time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import context as otel_context
+
+from deepinfer.protocol import ErrorReply, ProtocolError, pack, unpack
+from deepinfer.telemetry import extract_context, get_logger, inject_headers, tracer
+
+log = get_logger(__name__)
+
+
+class MeshError(RuntimeError):
+    """A mesh call failed (base class)."""
+
+
+class RequestTimeout(MeshError):
+    """No reply within the timeout."""
+
+
+class NoResponders(MeshError):
+    """No service is subscribed to the subject (none running, or all dead)."""
+
+
+class RemoteError(MeshError):
+    """The remote handler answered with an ``ErrorReply``; ``kind`` says whose fault."""
+
+    def __init__(self, error: str, kind: str = "internal"):
+        super().__init__(error)
+        self.kind = kind
+
+
+Handler = Callable[[object], Awaitable[object | None]]
+
+
+class MeshClient:
+    """One NATS connection. Reconnects forever with a short wait (services outlive NATS restarts)."""
+
+    def __init__(self, nc: nats.NATS):
+        self.nc = nc
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> "MeshClient":
+        async def on_error(e):
+            log.warning("nats_error", error=str(e))
+
+        async def on_disconnect():
+            log.warning("nats_disconnected")
+
+        async def on_reconnect():
+            log.info("nats_reconnected")
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+        return cls(nc)
+
+    async def publish(self, subject: str, msg) -> None:
+        await self.nc.publish(subject, pack(msg), headers=inject_headers())
+
+    async def request(self, subject: str, msg, timeout: float, expect: type | None = None):
+        """Send ``msg`` and wait for the reply message.
+
+        Raises RequestTimeout, NoResponders, RemoteError (the handler failed or
+        answered ``ErrorReply``) or ProtocolError (an undecodable reply).
+        """
+        try:
+            reply = await self.nc.request(subject, pack(msg), timeout=timeout, headers=inject_headers())
+        except NoRespondersError as e:
+            raise NoResponders(f"no responders on {subject}") from e
+        except (NatsTimeout, asyncio.TimeoutError) as e:
+            raise RequestTimeout(f"no reply on {subject} within {timeout:.1f}s") from e
+        out = unpack(reply.data)
+        if isinstance(out, ErrorReply):
+            raise RemoteError(out.error, out.kind)
+        if expect is not None and not isinstance(out, expect):
+            raise ProtocolError(f"expected {expect.__name__}, got {type(out).__name__}")
+        return out
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "", span_name: str | None = None):
+        """Run ``handler(message)`` for each message; reply with its return value if asked.
+
+        ``queue``: NATS queue group, so one replica of a service gets each message.
+        """
+        name = span_name or subject
+
+        async def cb(raw):
+            token = otel_context.attach(extract_context(raw.headers))
+            try:
+                with tracer().start_as_current_span(name):
+                    try:
+                        msg = unpack(raw.data)
+                        result = await handler(msg)
+                    except ProtocolError as e:
+                        result = ErrorReply(error=str(e), kind="bad_request")
+                    except Exception as e:  # reply rather than let the requester time out
+                        log.exception("handler_failed", subject=raw.subject)
+                        result = ErrorReply(error=f"{type(e).__name__}: {e}")
+                    if raw.reply and result is not None:
+                        await self.nc.publish(raw.reply, pack(result), headers=inject_headers())
+            finally:
+                otel_context.detach(token)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def drain(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.close()

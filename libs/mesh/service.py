@@ -1,0 +1,96 @@
+"""Service lifecycle: start -> heartbeat -> drain -> stop.
+
+A service subclass sets ``role``, subscribes its handlers in ``setup()`` and
+describes its load in ``load_report()``. ``run_service`` runs it until SIGINT
+or SIGTERM, then drains (stops taking new messages, lets in-flight handlers
+finish, flushes) and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+
+from deepinfer.mesh.client import MeshClient
+from deepinfer.protocol import LoadReport, subjects
+from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
+
+log = get_logger(__name__)
+
+
+class Service:
+    role: str = "service"
+
+    def __init__(self, nats_url: str, worker_id: str | None = None, heartbeat_s: float = 1.0):
+        self.nats_url = nats_url
+        self.worker_id = worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.heartbeat_s = heartbeat_s
+        self.mesh: MeshClient | None = None
+        self.draining = False
+        self._stopped = asyncio.Event()
+        self._heartbeat_task: asyncio.Task | None = None
+
+    # --- to override -------------------------------------------------------
+    async def setup(self) -> None:
+        """Subscribe handlers. Called once connected."""
+
+    async def teardown(self) -> None:
+        """Release resources after draining."""
+
+    def load_report(self) -> LoadReport:
+        return LoadReport(role=self.role, worker_id=self.worker_id)
+
+    # --- lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        self.mesh = await MeshClient.connect(self.nats_url, name=self.worker_id)
+        await self.setup()
+        await self.mesh.nc.flush()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        log.info("service_started", role=self.role)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                report = self.load_report()
+                report.interval_s = self.heartbeat_s
+                report.draining = self.draining
+                await self.mesh.publish(subjects.load(self.role, self.worker_id), report)
+            except Exception as e:  # NATS down: keep trying, the client reconnects
+                log.warning("heartbeat_failed", error=str(e))
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def drain(self) -> None:
+        self.draining = True
+        if self._heartbeat_task:
+            self._heartbeat_task.cancel()
+        if self.mesh:
+            await self.mesh.drain()
+
+    async def stop(self) -> None:
+        if not self.draining:
+            await self.drain()
+        await self.teardown()
+        self._stopped.set()
+        log.info("service_stopped", role=self.role)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def run_service(service: Service, log_level: str = "INFO") -> None:
+    """Run ``service`` in this process until SIGINT / SIGTERM."""
+    configure_logging(service.role, service.worker_id, log_level)
+    configure_tracing(service.role)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await service.start()
+        await stop.wait()
+        log.info("service_stopping", role=service.role)
+        await service.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,224 @@
+"""Message types of the mesh and their msgpack codec.
+
+Wire format: a msgpack map ``{"v": SCHEMA_VERSION, "t": "<TypeName>", **fields}``.
+Unknown fields are ignored on decode (a newer sender may add optional fields
+within one schema version); a different schema version is a ``ProtocolError``.
+Nested messages (``SamplingParams``) travel as plain maps and are rebuilt by
+the owning type's ``from_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded: bad bytes, wrong schema version or type."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(cls):
+    """Class decorator: make ``cls`` a dataclass and register it for ``unpack``."""
+    cls = dataclass(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens.
+
+    temperature: 0 means greedy (argmax). top_p: nucleus mass in (0, 1].
+    max_tokens: output tokens to generate, >= 1. seed: per-request RNG seed
+    (None = nondeterministic). stop_token_ids: extra ids that end generation
+    besides the model's EOS ids. ignore_eos: keep going past EOS (benchmarks).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingParams":
+        if d is None:
+            return cls()
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@message
+class EncodeChatRequest:
+    """gateway -> tokenizer: render the chat template and encode it.
+
+    messages: OpenAI-style ``[{"role": str, "content": str}, ...]``.
+    """
+
+    request_id: str
+    messages: list[dict]
+    add_generation_prompt: bool = True
+
+
+@message
+class EncodeChatReply:
+    """tokenizer -> gateway: prompt token ids (int32 range) of the rendered chat."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+@message
+class PrefillRequest:
+    """gateway -> prefill: run the prompt, emit the first token, hand off to decode.
+
+    stream_subject: where every ``TokenChunk`` of this request is published.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stream_subject: str
+    traffic_class: str = "chat"
+
+    NESTED: ClassVar[dict] = {"sampling": SamplingParams}
+
+
+@message
+class DecodeRequest:
+    """prefill -> decode: continue a request whose prompt KV is in the storage tier.
+
+    kv_block_keys: storage-tier keys of the KV blocks covering the first
+    ``num_kv_tokens`` tokens of ``prompt_token_ids + output_token_ids``, in
+    order, ``block_size`` tokens each (the last one may be partial).
+    output_token_ids: tokens already generated (the first one, by prefill).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    stream_subject: str
+    kv_block_keys: list[str]
+    num_kv_tokens: int
+    block_size: int
+
+    NESTED: ClassVar[dict] = {"sampling": SamplingParams}
+
+
+@message
+class SubmitReply:
+    """Reply to a submit: accepted by ``worker_id``, or refused with ``error``."""
+
+    accepted: bool
+    worker_id: str
+    error: str | None = None
+
+
+@message
+class AbortRequest:
+    """gateway -> worker: stop this request and free its KV blocks."""
+
+    request_id: str
+
+
+@message
+class TokenChunk:
+    """worker -> gateway on the request's stream subject: new token ids.
+
+    finish_reason: None while running; "stop" (EOS / stop token), "length"
+    (max_tokens or max model length), "abort", or "error" (``error`` says why).
+    role / worker_id: who produced the chunk, so the gateway knows whom to
+    watch for liveness and whom to abort.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    role: str
+    worker_id: str
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@message
+class LoadReport:
+    """Heartbeat / load report every worker publishes periodically.
+
+    kv_tokens_used / kv_tokens_capacity: tokens of KV held / holdable.
+    peak_batch_size: largest number of sequences in one forward step so far.
+    interval_s: seconds between reports (a worker silent for a few intervals
+    is considered dead).
+    """
+
+    role: str
+    worker_id: str
+    active_requests: int = 0
+    waiting_requests: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    peak_batch_size: int = 0
+    steps: int = 0
+    interval_s: float = 1.0
+    draining: bool = False
+
+
+@message
+class ErrorReply:
+    """Any request/reply that failed: ``kind`` is "bad_request" or "internal"."""
+
+    error: str
+    kind: str = "internal"
+
+
+def _to_dict(msg) -> dict[str, Any]:
+    d = dataclasses.asdict(msg)
+    d["v"] = SCHEMA_VERSION
+    d["t"] = type(msg).__name__
+    return d
+
+
+def pack(msg) -> bytes:
+    """Encode a registered message dataclass to msgpack bytes."""
+    if type(msg).__name__ not in _REGISTRY:
+        raise ProtocolError(f"not a protocol message: {type(msg).__name__}")
+    return msgpack.packb(_to_dict(msg), use_bin_type=True)
+
+
+def unpack(data: bytes, expect: type | tuple[type, ...] | None = None):
+    """Decode msgpack bytes into its message dataclass.
+
+    Raises ProtocolError on undecodable bytes, a schema version other than
+    ``SCHEMA_VERSION``, an unknown type, or a type not in ``expect``.
+    """
+    try:
+        d = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable message: {e}") from e
+    if not isinstance(d, dict):
+        raise ProtocolError("message is not a map")
+    if d.get("v") != SCHEMA_VERSION:
+        raise ProtocolError(f"schema version {d.get('v')!r} != {SCHEMA_VERSION}")
+    cls = _REGISTRY.get(d.get("t"))
+    if cls is None:
+        raise ProtocolError(f"unknown message type {d.get('t')!r}")
+    if expect is not None and not issubclass(cls, expect):
+        raise ProtocolError(f"expected {expect}, got {cls.__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in d.items() if k in names}
+    for name, sub in getattr(cls, "NESTED", {}).items():
+        kwargs[name] = sub.from_dict(kwargs.get(name))
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ProtocolError(f"bad {cls.__name__}: {e}") from e
