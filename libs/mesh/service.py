@@ -35,8 +35,11 @@ class Service:
     async def setup(self) -> None:
         """Subscribe handlers. Called once connected."""
 
+    async def finish_inflight(self) -> None:
+        """Called when stopping, while still connected: let in-flight work end (bounded)."""
+
     async def teardown(self) -> None:
-        """Release resources after draining."""
+        """Release resources after the connection is drained."""
 
     def load_report(self) -> LoadReport:
         return LoadReport(role=self.role, worker_id=self.worker_id)
@@ -61,14 +64,19 @@ class Service:
             await asyncio.sleep(self.heartbeat_s)
 
     async def drain(self) -> None:
+        """Refuse new work, finish in-flight work, then drain the NATS connection."""
         self.draining = True
+        await self.finish_inflight()
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
         if self.mesh:
-            await self.mesh.drain()
+            try:  # NATS may be gone already (e.g. the whole mesh is stopping)
+                await asyncio.wait_for(self.mesh.drain(), timeout=5)
+            except Exception:
+                await self.mesh.close()
 
     async def stop(self) -> None:
-        if not self.draining:
+        if self.mesh and not self.mesh.nc.is_closed:
             await self.drain()
         await self.teardown()
         self._stopped.set()

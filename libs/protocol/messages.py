@@ -111,6 +111,7 @@ class DecodeRequest:
     kv_block_keys: list[str]
     num_kv_tokens: int
     block_size: int
+    traffic_class: str = "chat"
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 

@@ -1,0 +1,110 @@
+"""Paged KV cache: storing new K/V by slot mapping, and attention over block tables.
+
+Cache layout (one layer)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset_in_block
+
+A sequence's block table lists its block ids in order, so token ``i`` of the
+sequence lives at slot ``block_table[i // block_size] * block_size + i % block_size``.
+
+The torch reference below handles any mix of prefill chunks and decode tokens
+in one step (varlen): the packed queries ``[T, H, D]`` are scattered into a
+padded ``[B, Tq_max, H, D]`` batch, each sequence's context K/V are gathered
+from the cache by slot into ``[B, L_max, Hkv, D]``, and one SDPA call with a
+boolean mask (causal within the sequence, padding excluded) does the math.
+The gather indices and the mask are built once per step by the model runner
+and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built by the model runner.
+
+    slot_mapping: [T] int64, cache slot of each new token (packed order).
+    query_index: [T] int64, position of each packed token in the flattened
+        padded query batch ``[B * Tq_max]``.
+    context_slots: [B, L_max] int64, cache slot of each context position of
+        each sequence (positions past a sequence's context length point at slot 0
+        and are masked out).
+    attn_mask: [B, 1, Tq_max, L_max] bool, True where a query may attend a key.
+    num_seqs: B; max_query_len: Tq_max.
+    """
+
+    slot_mapping: torch.Tensor
+    query_index: torch.Tensor
+    context_slots: torch.Tensor
+    attn_mask: torch.Tensor
+    num_seqs: int
+    max_query_len: int
+
+
+def build_metadata(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> AttentionMetadata:
+    """Build the step's metadata from integers.
+
+    query_lens[i]: new tokens of sequence i this step; context_lens[i]: tokens
+    with KV after this step (cached + new), so the new tokens sit at positions
+    ``[context_lens[i] - query_lens[i], context_lens[i])``.
+    """
+    b = len(query_lens)
+    tq, lmax = max(query_lens), max(context_lens)
+    pos = torch.arange(lmax)
+    tables = torch.zeros(b, max(len(t) for t in block_tables), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    ctx = torch.tensor(context_lens)
+    qlen = torch.tensor(query_lens)
+    valid = pos[None, :] < ctx[:, None]  # [B, L]
+    blocks = torch.gather(tables, 1, (pos // block_size).clamp(max=tables.shape[1] - 1)[None, :].expand(b, -1))
+    context_slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    # query j of seq i is at absolute position ctx_i - qlen_i + j; it sees keys <= that.
+    qpos = (ctx - qlen)[:, None] + torch.arange(tq)[None, :]  # [B, Tq]
+    mask = (pos[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]
+    qvalid = torch.arange(tq)[None, :] < qlen[:, None]
+    mask &= qvalid[:, :, None]
+    # padded query rows attend to key 0 so softmax stays finite (their output is discarded)
+    mask[:, :, 0] |= ~qvalid
+    query_index = (torch.arange(b)[:, None] * tq + torch.arange(tq)[None, :])[qvalid]
+    slot_mapping = torch.cat([context_slots[i, c - q : c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
+    return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values ``[T, Hkv, D]`` into the caches at ``slot_mapping`` ``[T]``."""
+    hkv, d = k.shape[-2:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of packed queries ``q`` [T, H, D] over their sequences' cached context.
+
+    The new tokens' K/V must already be stored (``store_kvcache``). Returns [T, H, D].
+    """
+    t, h, d = q.shape
+    hkv = k_cache.shape[-2]
+    b, tq = meta.num_seqs, meta.max_query_len
+    if t == b * tq:  # every sequence has the same query length (e.g. pure decode): no scatter
+        qp = q.view(b, tq, h, d)
+    else:
+        qp = q.new_zeros(b * tq, h, d)
+        qp[meta.query_index] = q
+        qp = qp.view(b, tq, h, d)
+    k = k_cache.view(-1, hkv, d)[meta.context_slots]  # [B, L, Hkv, D]
+    v = v_cache.view(-1, hkv, d)[meta.context_slots]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=meta.attn_mask, scale=scale, enable_gqa=(h != hkv),
+    )  # [B, H, Tq, D]
+    out = out.transpose(1, 2).reshape(b * tq, h, d)
+    return out if t == b * tq else out[meta.query_index]

@@ -1,0 +1,170 @@
+"""The ``deepinfer`` command.
+
+    deepinfer up [--model PATH] [--port 8000] [--tokenizer N] [--prefill N] [--decode N]
+        start nats-server, redis-server and every service; Ctrl-C stops them all
+    deepinfer serve <service> [args...]
+        run one service in this process (operators / the launcher); it reads
+        DEEPINFER_NATS_URL, DEEPINFER_REDIS_URL, DEEPINFER_MODEL, DEEPINFER_KV_ROOT
+    deepinfer convert
+        convert the embedded default model (once) and print its directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import sys
+import time
+
+SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
+# Services whose module does not exist yet, and the issue that adds it.
+PLANNED = {"vision": 11, "kvindex": 4, "balancer": 7}
+
+
+def _say(msg: str) -> None:
+    print(f"[deepinfer] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------ serve
+
+
+def cmd_serve(service: str, argv: list[str]) -> int:
+    module_name = f"deepinfer.{service}.service"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name not in (module_name, f"deepinfer.{service}"):
+            raise  # the service exists but one of its imports is missing
+        issue = PLANNED.get(service)
+        where = f"see issue #{issue}" if issue else f"no module {module_name}"
+        print(f"deepinfer: service {service} is not implemented yet ({where})", file=sys.stderr)
+        return 2
+    main = getattr(module, "main", None)
+    if main is None:
+        print(f"deepinfer: {module_name} has no main(argv)", file=sys.stderr)
+        return 2
+    rc = main(argv)
+    return int(rc or 0)
+
+
+# --------------------------------------------------------------------------- up
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM / SIGINT while `up` runs."""
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from deepinfer.launcher import LauncherError, Mesh, free_port, port_is_free
+
+    port = args.port
+    if port is None:
+        port = 8000 if port_is_free(8000) else free_port()
+    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode}
+    mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir)
+
+    def on_signal(signum, _frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    rc = 0
+    try:
+        mesh.start(timeout=args.timeout, progress=_say)
+        url = mesh.gateway_url
+        print(
+            f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1)\n"
+            f"  logs:  {mesh.workdir}/logs\n"
+            f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"           -d '{{\"model\": \"default\", \"messages\": "
+            f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'\n"
+            "Press Ctrl-C to stop.\n",
+            flush=True,
+        )
+        reported: set[str] = set()
+        while True:
+            time.sleep(1.0)
+            for p in mesh.dead_services():
+                if p.name not in reported:
+                    reported.add(p.name)
+                    _say(f"warning: {p.name} exited (code {p.returncode}); log {p.log_path}:\n{p.log_tail(20)}")
+            for infra in (mesh.nats, mesh.redis):
+                if infra is not None and not infra.alive and infra.name not in reported:
+                    reported.add(infra.name)
+                    _say(f"warning: {infra.name} exited (code {infra.returncode}); log {infra.log_path}")
+    except _Stop as e:
+        _say(f"{e}: stopping...")
+    except LauncherError as e:
+        print(f"deepinfer: start-up failed: {e}", file=sys.stderr)
+        rc = 1
+    finally:
+        # A second Ctrl-C must not interrupt the shutdown halfway.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        mesh.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+    if rc == 0:
+        _say("stopped")
+    return rc
+
+
+# ---------------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from deepinfer.models.convert import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+# ------------------------------------------------------------------------- main
+
+
+def _positive(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: an LLM serving mesh on NATS.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start nats, redis and every service; Ctrl-C stops all")
+    up.add_argument("--model", default=None, help="Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    up.add_argument("--port", type=int, default=None, help="gateway port (default 8000 when free, else any free port)")
+    up.add_argument("--tokenizer", type=_positive, default=1, help="tokenizer workers")
+    up.add_argument("--prefill", type=_positive, default=1, help="prefill workers")
+    up.add_argument("--decode", type=_positive, default=1, help="decode workers")
+    up.add_argument("--timeout", type=float, default=180, help="seconds to wait for the mesh to become healthy")
+    up.add_argument("--workdir", default=None, help="logs / NATS store / KV blocks (default: a temporary dir)")
+
+    serve = sub.add_parser("serve", help="run one service in this process")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the service")
+
+    conv = sub.add_parser("convert", help="convert the embedded default model and print its directory")
+    conv.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `serve` passes everything after the service name through untouched, even --help.
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+        return cmd_serve(argv[1], argv[2:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args.service, args.args)
+    if args.command == "up":
+        return cmd_up(args)
+    if args.command == "convert":
+        return cmd_convert(args)
+    return 2  # unreachable: subcommand is required
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Command-line options of engine workers (prefill, decode) -> ``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from deepinfer.engine.llm_engine import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=int(os.environ.get("DEEPINFER_BLOCK_SIZE", 16)),
+                   help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-gb", type=float, default=float(os.environ.get("DEEPINFER_KV_CACHE_GB", 1.0)),
+                   help="memory for the KV cache in GiB (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="max new tokens per step (default 4096)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--dtype", default=os.environ.get("DEEPINFER_DTYPE", "float32"),
+                   choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
+                   help="storage tier root directory (shared across workers)")
+
+
+def engine_config(args, prefill_only: bool) -> EngineConfig:
+    return EngineConfig(
+        block_size=args.block_size,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        prefill_only=prefill_only,
+        num_threads=args.threads,
+    )

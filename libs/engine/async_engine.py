@@ -1,0 +1,92 @@
+"""Runs an ``LLMEngine`` on its own thread next to a service's asyncio loop.
+
+Commands (add, abort) go in through a thread-safe queue and are applied at a
+step boundary; each step's outputs come back to the loop with
+``call_soon_threadsafe``. torch releases the GIL inside its kernels, so the
+loop keeps serving NATS while a forward pass runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Callable
+
+from deepinfer.engine.llm_engine import LLMEngine, StepOutput
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None]):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    async def add_request(self, **kwargs) -> None:
+        """Queue ``engine.add_request(**kwargs)``; raises what it raises (e.g. RequestError)."""
+        fut = self._loop.create_future()
+        self._commands.put(("add", kwargs, fut))
+        await fut
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    def _resolve(self, fut, exc=None):
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def _apply(self, cmd) -> None:
+        kind, arg, fut = cmd
+        if kind == "abort":
+            self.engine.abort(arg)
+            return
+        try:
+            self.engine.add_request(**arg)
+            self._loop.call_soon_threadsafe(self._resolve, fut)
+        except Exception as e:
+            self._loop.call_soon_threadsafe(self._resolve, fut, e)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                self._apply(self._commands.get(timeout=0.05) if idle else self._commands.get_nowait())
+                while True:
+                    self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # never kill the thread silently: fail the batch's requests
+                log.exception("engine_step_failed")
+                outputs = self._fail_all()
+            if outputs:
+                self._loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def _fail_all(self) -> list[StepOutput]:
+        sched = self.engine.scheduler
+        outs = []
+        for seq in list(sched.waiting) + list(sched.running):
+            self.engine.abort(seq.request_id)
+            outs.append(StepOutput(seq.request_id, [], "error", seq.num_prompt_tokens))
+        return outs

@@ -1,0 +1,50 @@
+"""A request inside the engine: its tokens, block table and state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deepinfer.protocol import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # needs a prefill (new, or preempted: recompute)
+    RUNNING = "running"    # holds KV blocks; decodes one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Tokens are ``prompt + output``; the first ``num_computed_tokens`` have KV in the cache.
+
+    A running sequence always has exactly one token without KV (the last one):
+    the next step feeds it and samples the token after it.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    # Prefill-only engines stop after the first sampled token and hand off.
+    prefill_only: bool = False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next step must feed (all those without KV)."""
+        return len(self.token_ids) - self.num_computed_tokens

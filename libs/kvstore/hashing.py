@@ -1,0 +1,55 @@
+"""Chained block hashes (TECHNIQUES §2; vLLM's prefix-caching hash, SHA-256).
+
+    h_{-1} = SHA-256("deepinfer-root" ‖ model fingerprint)
+    h_i    = SHA-256(h_{i-1} ‖ tokens of block i as little-endian u32 ‖ extra keys)
+
+Only full blocks are hashed. ``extra`` (e.g. the template version, a tenant's
+``cache_salt``) is mixed into block 0 and so into every later hash. SHA-256 is
+stable across processes and machines and collision-resistant, so a hash never
+names another tenant's KV (Python's ``hash`` is neither).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+
+def model_fingerprint(model_dir: str | Path, dtype: str = "float32", block_size: int = 16) -> str:
+    """Stable id of (weights, KV dtype, block size): 16 hex chars.
+
+    Hashes config.json and each safetensors file's size and header (the
+    header lists every tensor's name, dtype, shape and offsets), so two copies
+    of one checkpoint agree without reading gigabytes of weights.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    h.update(json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(n))
+        h.update(str(f.stat().st_size).encode())
+    h.update(f"{dtype}/{block_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def root_hash(fingerprint: str) -> bytes:
+    return hashlib.sha256(b"deepinfer-root" + fingerprint.encode()).digest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, fingerprint: str, extra: bytes = b"") -> list[str]:
+    """Hex hashes of the full blocks of ``token_ids`` (len // block_size of them)."""
+    out = []
+    prev = root_hash(fingerprint)
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        h = hashlib.sha256(prev)
+        h.update(struct.pack(f"<{block_size}I", *block))
+        if i == 0 and extra:
+            h.update(extra)
+        prev = h.digest()
+        out.append(prev.hex())
+    return out

@@ -1,0 +1,17 @@
+"""Command-line options every service shares, with environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def service_parser(role: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
+    p.add_argument("--nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),
+                   help="NATS URL (env DEEPINFER_NATS_URL)")
+    p.add_argument("--model", default=os.environ.get("DEEPINFER_MODEL"),
+                   help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")
+    p.add_argument("--worker-id", default=None, help="unique id of this replica (default: random)")
+    p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"))
+    return p

@@ -1,0 +1,59 @@
+"""Build a model from a Hugging Face-format directory (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.llama import LlamaForCausalLM
+
+# model_type -> class. Llama-compatible families share one implementation.
+MODEL_REGISTRY = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's model_type has no implementation here."""
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Load ``(model, config)`` from ``model_dir``; weights cast to ``dtype``.
+
+    Raises UnsupportedModel for unknown ``model_type``, FileNotFoundError when
+    no safetensors file is present, KeyError when a weight is missing.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    cls = MODEL_REGISTRY.get(cfg.model_type)
+    if cls is None:
+        raise UnsupportedModel(f"model_type {cfg.model_type!r} not supported (have: {sorted(MODEL_REGISTRY)})")
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state = {}
+    for f in files:
+        state.update(load_file(f, device=device))
+    with torch.device("meta"):
+        model = cls(cfg)
+    expected = {k for k in model.state_dict()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = expected - state.keys()
+    if missing:
+        raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_rope(device)
+    return model.eval().requires_grad_(False), cfg

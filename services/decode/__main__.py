@@ -1,0 +1,3 @@
+from deepinfer.decode.service import main
+
+main()

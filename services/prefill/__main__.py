@@ -1,0 +1,3 @@
+from deepinfer.prefill.service import main
+
+main()

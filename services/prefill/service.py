@@ -1,0 +1,156 @@
+"""Prefill worker: runs prompts, emits the first token, writes KV to the storage tier, hands off.
+
+Lifecycle of a request in this service:
+  1. ``deepinfer.prefill.submit`` (queue group ``prefill``) or
+     ``deepinfer.prefill.<worker_id>.submit``: a ``PrefillRequest`` arrives;
+     it is validated and queued in the engine (reply ``SubmitReply``).
+  2. Engine ``waiting`` -> a prefill step computes the prompt's KV and samples
+     the first token (finish reason ``handoff``, or ``stop``/``length`` when
+     the first token already ends it).
+  3. The first token is published on the request's stream subject at once (TTFT).
+  4. The prompt's KV blocks are written to the storage tier: full blocks under
+     their prefix hash (skipped when already there), the partial last block
+     under an ephemeral key.
+  5. ``DecodeRequest`` to ``deepinfer.decode.submit`` (any decode worker);
+     if no decode worker takes it, the request ends with an error chunk.
+An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` drops a request
+still queued or running here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from deepinfer.engine.args import add_engine_args, engine_config
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.llm_engine import LLMEngine, RequestError, StepOutput
+from deepinfer.kvstore import BlockStore, block_hashes, ephemeral_key, model_fingerprint
+from deepinfer.kvstore.store import EPHEMERAL
+from deepinfer.mesh import MeshError, Service, run_service
+from deepinfer.mesh.args import service_parser
+from deepinfer.models.convert import resolve_model
+from deepinfer.protocol import (
+    AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SubmitReply, TokenChunk, subjects,
+)
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+HANDOFF_TIMEOUT_S = 10.0
+
+
+class PrefillService(Service):
+    role = "prefill"
+
+    def __init__(self, nats_url: str, model_dir: str, engine_cfg, kv_root: str, worker_id: str | None = None):
+        super().__init__(nats_url, worker_id)
+        self.engine = LLMEngine(model_dir, engine_cfg)
+        self.fingerprint = model_fingerprint(model_dir, engine_cfg.dtype, engine_cfg.block_size)
+        self.store = BlockStore(kv_root, self.fingerprint)
+        self.requests: dict[str, PrefillRequest] = {}
+        self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
+        self.async_engine: AsyncEngine | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def setup(self) -> None:
+        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
+        self.async_engine.start()
+        for subject, queue in ((subjects.PREFILL_SUBMIT, subjects.PREFILL_GROUP),
+                               (subjects.prefill_submit(self.worker_id), "")):
+            await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="prefill.submit")
+        await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="prefill.abort")
+
+    def load_report(self) -> LoadReport:
+        e = self.engine
+        return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
+                          waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
+                          kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
+                          steps=e.num_steps)
+
+    # --- handlers -------------------------------------------------------------
+    async def on_submit(self, req: PrefillRequest) -> SubmitReply:
+        if self.draining:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
+        try:
+            await self.async_engine.add_request(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+            )
+        except RequestError as e:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
+        self.requests[req.request_id] = req
+        return SubmitReply(accepted=True, worker_id=self.worker_id)
+
+    async def on_abort(self, msg: AbortRequest) -> None:
+        if self.requests.pop(msg.request_id, None) is not None:
+            self.async_engine.abort(msg.request_id)
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            req = self.requests.pop(out.request_id, None)
+            if req is None:  # aborted meanwhile
+                continue
+            task = asyncio.create_task(self.finish(req, out))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # --- helpers ---------------------------------------------------------------
+    async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
+        chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
+                           worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens)
+        if out.finish_reason != "handoff":
+            chunk.finish_reason = out.finish_reason
+            await self.mesh.publish(req.stream_subject, chunk)
+            return
+        await self.mesh.publish(req.stream_subject, chunk)
+        try:
+            keys = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
+            handoff = DecodeRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=out.new_token_ids, sampling=req.sampling, stream_subject=req.stream_subject,
+                kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
+                traffic_class=req.traffic_class,
+            )
+            reply = await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
+            if not reply.accepted:
+                raise MeshError(f"decode refused: {reply.error}")
+        except Exception as e:
+            log.warning("handoff_failed", request_id=req.request_id, error=str(e))
+            await self.mesh.publish(req.stream_subject, TokenChunk(
+                request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
+                finish_reason="error", error=f"handoff to decode failed: {e}"))
+
+    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> list[str]:
+        """Write the prompt's KV blocks; return their keys in order (runs on the I/O pool)."""
+        bs = self.engine.config.block_size
+        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.fingerprint)
+        keys = []
+        for i in range(out.kv_blocks.shape[0]):
+            if i < len(full):
+                key = full[i]
+                if not self.store.contains(key, req.traffic_class):
+                    self.store.put(key, out.kv_blocks[i], req.traffic_class)
+            else:
+                key = ephemeral_key(req.request_id, i)
+                self.store.put(key, out.kv_blocks[i], EPHEMERAL)
+            keys.append(key)
+        return keys
+
+    async def finish_inflight(self) -> None:
+        for _ in range(int(HANDOFF_TIMEOUT_S * 10)):
+            if not self.requests and not self._tasks:
+                break
+            await asyncio.sleep(0.1)
+
+    async def teardown(self) -> None:
+        self.async_engine.stop()
+        self.io.shutdown(wait=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = service_parser("prefill", "Prefill worker")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    svc = PrefillService(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=True),
+                         args.kv_root, args.worker_id)
+    run_service(svc, args.log_level)

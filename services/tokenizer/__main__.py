@@ -1,0 +1,3 @@
+from deepinfer.tokenizer.service import main
+
+main()
