@@ -51,6 +51,16 @@ def cmd_serve(service: str, argv: list[str]) -> int:
 # --------------------------------------------------------------------------- up
 
 
+def _served_model(url: str) -> str | None:
+    """The model id the gateway serves (``GET /v1/models``), or None if it can't say."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+    except Exception:
+        return None
+
+
 class _Stop(Exception):
     """Raised in the main thread by SIGTERM / SIGINT while `up` runs."""
 
@@ -72,11 +82,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         mesh.start(timeout=args.timeout, progress=_say)
         url = mesh.gateway_url
+        model_id = _served_model(url)
+        model_field = f'\"model\": \"{model_id}\", ' if model_id else ""
         print(
-            f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1)\n"
+            f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1, model {model_id or '?'})\n"
             f"  logs:  {mesh.workdir}/logs\n"
             f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"           -d '{{\"model\": \"default\", \"messages\": "
+            f"           -d '{{{model_field}\"messages\": "
             f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'\n"
             "Press Ctrl-C to stop.\n",
             flush=True,

