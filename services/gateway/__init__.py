@@ -1,0 +1,52 @@
+"""Gateway: the mesh's OpenAI-compatible HTTP front door.
+
+Request lifecycle in the gateway, stage by stage, and what moves a request on
+(modules in brackets):
+
+ 1. PARSE        [chat.parse_request, chat.validate_request] The JSON body
+                 becomes a ``ChatCompletionRequest``; model, n, max_tokens,
+                 temperature, top_p are checked. Bad -> 400 / 404 (OpenAI
+                 error shape); good -> 2 with a fresh ``request_id``.
+ 2. ADMIT        [chat.check_workers] The worker registry (fed by LoadReport
+                 heartbeats on ``deepinfer.load.>``) must know a live
+                 tokenizer, prefill and decode worker, else 503.
+ 3. TOKENIZE     [chat.tokenize] ``EncodeChatRequest`` on TOKENIZER_ENCODE_CHAT.
+                 EncodeChatReply -> 4; ErrorReply "bad_request" -> 400; no
+                 tokenizer -> 503. The prompt length fixes max_tokens
+                 (default: max model length - prompt) or fails with 400.
+ 4. SUBMIT       [stream.RequestStream.open] Subscribe to
+                 ``deepinfer.stream.<request_id>`` first, then send the
+                 ``PrefillRequest`` on PREFILL_SUBMIT. SubmitReply(accepted)
+                 -> 5; no responders / refused / timeout -> 503.
+ 5. PREFILL WAIT [stream: Phase.PREFILL] Watching the prefill worker named in
+                 the SubmitReply. Its first TokenChunk -> 6 (or 8 if final).
+                 Worker dead / no output -> 503; the HTTP response has not
+                 started yet, so this is still a plain HTTP error.
+ 6. HANDOFF      [stream: Phase.HANDOFF] First token in hand; streaming
+                 responses start here (role chunk, then the token's text).
+                 Still watching the prefill worker until the first chunk with
+                 role "decode" -> 7. Nothing within the handoff timeout ->
+                 error.
+ 7. DECODE       [stream: Phase.DECODE; output.OutputProcessor] Watching the
+                 decode worker named by the chunks. Every chunk goes through
+                 the incremental detokenizer (UTF-8 safe) and the stop-string
+                 matcher (hold-back) and becomes an SSE delta or part of the
+                 final text. A final chunk or a matched stop string -> 8.
+ 8. FINISH       [chat._sse, chat._collect] Final SSE chunk (+ usage chunk)
+                 and ``data: [DONE]``, or the ChatCompletion JSON. If the
+                 worker is still running (stop string) it gets an
+                 ``AbortRequest``; the stream subscription is dropped.
+
+Failure exits, from any of 5-7: the watched worker misses its heartbeats (3
+intervals, at least 3 s), no chunk arrives for the inactivity timeout (60 s),
+or the worker reports finish_reason "error" / "abort" -> HTTP 503 / 500 if
+nothing was sent, else an SSE ``data: {"error": {...}}`` event and the stream
+closes. The client disconnecting -> ``AbortRequest`` to
+``deepinfer.<role>.<worker_id>.abort`` of the current worker (mid-handoff, also
+to the decode worker once it shows up).
+
+Modules: app (routes, lifespan, root span), chat (the handler), openai_schema
+(wire shapes), errors (OpenAI error bodies), stream (one request's token
+stream and liveness), registry (worker liveness), output / detokenizer / stop
+(tokens -> text), config (settings, model), service (entry point).
+"""

@@ -1,0 +1,102 @@
+"""FastAPI app: routes, the NATS connection's lifespan, and a root trace span per HTTP request.
+
+Routes: POST /v1/chat/completions (``chat.py``), GET /v1/models,
+GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
+worker are alive, else 503; the body counts live workers by role).
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from opentelemetry import trace
+
+from deepinfer.gateway import openai_schema as oai
+from deepinfer.gateway.chat import REQUIRED_ROLES, Gateway, create_chat_completion
+from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
+from deepinfer.gateway.errors import OpenAIError, install_error_handlers
+from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.mesh import MeshClient
+from deepinfer.telemetry import extract_context, get_logger, tracer
+
+log = get_logger(__name__)
+
+
+def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI:
+    gw = Gateway(
+        config=config,
+        model=model or load_model(config),
+        registry=WorkerRegistry(min_dead_after_s=config.min_dead_after_s),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        gw.mesh = await MeshClient.connect(config.nats_url, name=config.worker_id)
+        await gw.registry.start(gw.mesh)
+        log.info("gateway_started", model=gw.model.served_name, max_model_len=gw.model.max_model_len,
+                 nats=config.nats_url, host=config.host, port=config.port)
+        try:
+            yield
+        finally:
+            await gw.registry.stop()
+            await gw.mesh.drain()
+            log.info("gateway_stopped")
+
+    app = FastAPI(title="DeepInfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+    install_error_handlers(app, oai.field_names())
+    app.add_middleware(RootSpanMiddleware)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(request, gw)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_card(gw)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != gw.model.served_name:
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return _card(gw)
+
+    @app.get("/health")
+    async def health():
+        counts = gw.registry.counts()
+        ok = gw.mesh is not None and gw.mesh.nc.is_connected and all(counts.get(r) for r in REQUIRED_ROLES)
+        body = {"status": "ok" if ok else "unavailable", "workers": counts}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    return app
+
+
+def _card(gw: Gateway) -> dict:
+    return oai.model_card(gw.model.served_name, str(gw.model.path), gw.model.max_model_len)
+
+
+class RootSpanMiddleware:
+    """Open one span per HTTP request (continuing the client's ``traceparent`` if sent).
+
+    Pure ASGI (not BaseHTTPMiddleware), so the route, the streaming body and
+    every MeshClient call run inside the span and carry its trace context.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        name = f"{scope['method']} {scope['path']}"
+        with tracer().start_as_current_span(name, context=extract_context(headers), kind=trace.SpanKind.SERVER) as span:
+
+            async def send_with_status(message):
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.status_code", message["status"])
+                await send(message)
+
+            await self.app(scope, receive, send_with_status)

@@ -1,0 +1,75 @@
+"""Gateway settings and what it needs to know about the served model.
+
+``GatewayConfig`` holds every knob with its default; ``load_model`` reads the
+HF-format model directory: ``config.json`` for the maximum model length and
+``tokenizer.json`` for detokenization (falling back to ``transformers``'
+AutoTokenizer, offline, when there is no ``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.gateway.detokenizer import Decoder
+from deepinfer.gateway.stream import StreamTimeouts
+
+# config.json keys that carry the context length, by model family, in order of preference.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+@dataclass
+class GatewayConfig:
+    nats_url: str = "nats://127.0.0.1:4222"
+    model: str | None = None  # model directory; None = the embedded default model
+    served_model_name: str | None = None  # default: the model directory's basename
+    max_model_len: int | None = None  # default: from config.json
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_id: str = "gateway"
+    log_level: str = "INFO"
+    tokenizer_timeout_s: float = 10.0
+    timeouts: StreamTimeouts = field(default_factory=StreamTimeouts)
+    min_dead_after_s: float = 3.0  # registry: a worker is dead after max(3 intervals, this)
+
+
+@dataclass
+class ModelInfo:
+    path: Path
+    served_name: str
+    max_model_len: int
+    tokenizer: Decoder
+
+
+def load_model(config: GatewayConfig) -> ModelInfo:
+    from deepinfer.models.convert import resolve_model
+
+    path = resolve_model(config.model)
+    hf_config = json.loads((path / "config.json").read_text())
+    return ModelInfo(
+        path=path,
+        served_name=config.served_model_name or path.name,
+        max_model_len=config.max_model_len or _max_model_len(hf_config),
+        tokenizer=load_tokenizer(path),
+    )
+
+
+def _max_model_len(hf_config: dict) -> int:
+    for cfg in (hf_config, hf_config.get("text_config") or {}):
+        for key in _MAX_LEN_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    raise ValueError("config.json has no max_position_embeddings; pass --max-model-len")
+
+
+def load_tokenizer(path: Path) -> Decoder:
+    if (path / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Handlers replace FastAPI's defaults (422 validation bodies, ``{"detail": ...}``
+for 404/405, plain-text 500s) so a client only ever sees the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error answered to the client as ``status`` with the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str, code: str = "service_unavailable") -> OpenAIError:
+    return OpenAIError(503, message, "server_error", None, code)
+
+
+def internal(message: str, code: str = "internal_error") -> OpenAIError:
+    return OpenAIError(500, message, "server_error", None, code)
+
+
+def validation_error(errors: list[dict], field_names: set[str]) -> OpenAIError:
+    """400 for the most specific pydantic error, ``param`` naming the field (``messages[0].content``)."""
+    if not errors:
+        return bad_request("invalid request body")
+    # NOTE: a union field fails once per member; the deepest location is the member that came closest.
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    if err.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    param = _param_from_loc(err.get("loc", ()), field_names)
+    if not param:
+        return bad_request(f"request body must be a JSON object: {err.get('msg')}")
+    return bad_request(f"{param}: {err.get('msg')}", param=param)
+
+
+def _param_from_loc(loc, field_names: set[str]) -> str | None:
+    # NOTE: pydantic puts union-member tags ("str", "list[TextPart]") and the
+    # FastAPI "body" prefix into ``loc``; keep only real field names and indices.
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in field_names:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def install_error_handlers(app: FastAPI, field_names: set[str]) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors()), field_names).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), kind, None, code), status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        log.exception("unhandled_error", error=str(exc))
+        return internal(f"{type(exc).__name__}: {exc}").response()

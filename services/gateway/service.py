@@ -1,0 +1,78 @@
+"""Entry point: ``python -m deepinfer.gateway`` / ``deepinfer serve gateway``.
+
+Parses the command line (environment variables give the defaults), builds the
+app and runs uvicorn on the current asyncio loop; the NATS client connects in
+the app's lifespan on that same loop. uvicorn handles SIGINT / SIGTERM: it
+stops accepting, finishes in-flight requests (up to 10 s), then the lifespan
+drains NATS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+import uvicorn
+
+from deepinfer.gateway.app import create_app
+from deepinfer.gateway.config import GatewayConfig
+from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.telemetry import configure_logging, configure_tracing
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="deepinfer serve gateway", description="DeepInfer OpenAI-compatible gateway")
+    env = os.environ.get
+    p.add_argument("--nats", default=env("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
+    p.add_argument("--model", default=env("DEEPINFER_MODEL"), help="HF model directory (default: embedded model)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: config.json)")
+    p.add_argument("--host", default=env("DEEPINFER_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("DEEPINFER_GATEWAY_PORT", "8000")))
+    p.add_argument("--worker-id", default=env("DEEPINFER_WORKER_ID", "gateway"))
+    p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"))
+    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds without output before a request fails")
+    p.add_argument("--handoff-timeout", type=float, default=15.0, help="seconds prefill->decode may take")
+    a = p.parse_args(argv)
+    return GatewayConfig(
+        nats_url=a.nats,
+        model=a.model,
+        served_model_name=a.served_model_name,
+        max_model_len=a.max_model_len,
+        host=a.host,
+        port=a.port,
+        worker_id=a.worker_id,
+        log_level=a.log_level,
+        timeouts=StreamTimeouts(inactivity_s=a.request_timeout, handoff_s=a.handoff_timeout),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    configure_logging("gateway", config.worker_id, config.log_level)
+    configure_tracing("gateway")
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level.lower(),
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=10,
+        )
+    )
+    # NOTE: uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown,
+    # which would kill us with the signal's status; a no-op handler underneath
+    # makes a requested stop exit 0, like every other service.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1  # not started: the lifespan failed (e.g. NATS unreachable)

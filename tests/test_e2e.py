@@ -1,0 +1,174 @@
+"""The walking skeleton end to end: the official openai client against a real mesh.
+
+Every request crosses gateway -> tokenizer -> prefill -> (storage tier) -> decode
+-> gateway, each a separate process started by the launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from deepinfer.mesh import MeshClient
+from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model
+from deepinfer.protocol import LoadReport, subjects, unpack
+
+MODEL = DEFAULT_MODEL_NAME
+PASSAGE = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+           "combined movable metal type, oil-based ink and a screw press adapted from wine making. ")
+# User messages whose chat prompts span ~30 to ~500 tokens.
+VARIED = [
+    "What is 2 + 2?",
+    "Name three animals that live in the ocean and say one fact about each.",
+    "Read this and summarise it in one sentence: " + PASSAGE * 3,
+    "Here is a text:\n" + PASSAGE * 8 + "\nWhat invention does it describe?",
+    "Context:\n" + PASSAGE * 13 + "\nQuestion: who is mentioned in the context? Answer briefly.",
+]
+
+
+def chat(client, content, **kw):
+    kw.setdefault("max_tokens", 32)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_capital_of_france_non_streaming(openai_client):
+    resp = chat(openai_client, "What is the capital of France?")
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 10 and resp.usage.completion_tokens > 0
+
+
+def test_capital_of_france_streaming(openai_client):
+    stream = chat(openai_client, "What is the capital of France?", stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert "Paris" in text
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ensure_default_model(progress=False)).eval()
+
+
+def test_greedy_matches_transformers_token_for_token(openai_client, hf_model):
+    lengths = []
+    for content in VARIED:
+        resp = chat(openai_client, content, max_tokens=24, extra_body={"return_token_ids": True}).to_dict()
+        prompt_ids, out_ids = resp["prompt_token_ids"], resp["choices"][0]["token_ids"]
+        lengths.append(len(prompt_ids))
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
+        assert out_ids == ref[0, len(prompt_ids):].tolist(), f"prompt of {len(prompt_ids)} tokens"
+    assert min(lengths) >= 20 and max(lengths) <= 500 and max(lengths) > 400, lengths
+
+
+def test_streamed_deltas_concatenate_to_the_non_streamed_text(openai_client):
+    content = "Write two sentences about the moon, with an emoji."
+    full = chat(openai_client, content, max_tokens=48).choices[0].message.content
+    stream = chat(openai_client, content, max_tokens=48, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full
+
+
+def test_eight_concurrent_requests_are_correct_and_batched_in_decode(mesh):
+    prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(8)]
+    sync = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="t", max_retries=0, timeout=300)
+    expected = [chat(sync, p, max_tokens=24).choices[0].message.content for p in prompts]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=mesh.gateway_url + "/v1", api_key="t", max_retries=0, timeout=300)
+        mc = await MeshClient.connect(mesh.nats_url, "test-observer")
+        peaks: list[int] = []
+
+        async def on_load(msg):
+            r = unpack(msg.data)
+            if isinstance(r, LoadReport) and r.role == "decode":
+                peaks.append(r.peak_batch_size)
+
+        await mc.nc.subscribe(subjects.LOAD_ALL, cb=on_load)
+        outs = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=24, temperature=0) for p in prompts))
+        await asyncio.sleep(1.5)  # one more heartbeat
+        await mc.close()
+        await client.close()
+        return [o.choices[0].message.content for o in outs], max(peaks)
+
+    got, peak = asyncio.run(run())
+    assert got == expected
+    assert peak > 1, "decode never ran two sequences in one step"
+
+
+def _post(mesh, body, raw=None):
+    data = raw if raw is not None else json.dumps(body)
+    return httpx.post(mesh.gateway_url + "/v1/chat/completions", content=data,
+                      headers={"content-type": "application/json"}, timeout=30)
+
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("case,body,raw,status,param", [
+    ("invalid json", None, "{not json", 400, None),
+    ("missing messages", {"model": MODEL}, None, 400, "messages"),
+    ("messages wrong type", {"model": MODEL, "messages": "hi"}, None, 400, "messages"),
+    ("max_tokens wrong type", {"model": MODEL, "messages": MSG, "max_tokens": "ten"}, None, 400, "max_tokens"),
+    ("unknown model", {"model": "no-such-model", "messages": MSG}, None, 404, "model"),
+    ("max_tokens zero", {"model": MODEL, "messages": MSG, "max_tokens": 0}, None, 400, "max_tokens"),
+    ("max_tokens negative", {"model": MODEL, "messages": MSG, "max_tokens": -5}, None, 400, "max_tokens"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_input_gets_openai_error_before_any_sse_bytes(mesh, case, body, raw, status, param, stream):
+    if body is not None:
+        body = dict(body, stream=stream)
+    r = _post(mesh, body, raw)
+    assert r.status_code == status, (case, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_official_client_raises_typed_errors(openai_client):
+    with pytest.raises(openai.NotFoundError):
+        openai_client.chat.completions.create(model="nope", messages=MSG)
+    with pytest.raises(openai.BadRequestError):
+        openai_client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=0)
+
+
+def test_models_and_health(mesh):
+    models = httpx.get(mesh.gateway_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = httpx.get(mesh.gateway_url + "/health")
+    assert health.status_code == 200 and health.json()["workers"]["decode"] >= 1
+
+
+def test_killing_decode_mid_stream_ends_the_request_with_an_error(make_mesh):
+    m = make_mesh()
+    client = openai.OpenAI(base_url=m.gateway_url + "/v1", api_key="t", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a very long story."}], max_tokens=2000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received, killed_at = 0, None
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+            if received == 5 and killed_at is None:
+                m.processes["decode"][0].kill()
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < 10, f"error came {elapsed:.1f}s after the kill"
+    # The gateway itself is fine: health now reports no decode worker.
+    deadline = time.monotonic() + 10
+    while httpx.get(m.gateway_url + "/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert httpx.get(m.gateway_url + "/health").status_code == 503

@@ -1,0 +1,737 @@
+"""Gateway against a real nats-server and fake workers scripted by each test.
+
+The fakes speak the real protocol: a tokenizer that renders a ChatML prompt
+and encodes it with the default model's real tokenizer, a prefill worker that
+answers SubmitReply and publishes the first token, a decode worker that
+publishes the rest, LoadReport heartbeats every 0.2 s, and a recorder of every
+AbortRequest. ``Script`` says what the workers do for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+import uvicorn
+from opentelemetry import trace
+from tokenizers import Tokenizer
+
+from deepinfer.gateway.app import create_app
+from deepinfer.gateway.config import GatewayConfig, load_model
+from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.mesh import MeshClient
+from deepinfer.models.convert import cache_root, default_model_dir
+from deepinfer.protocol import (
+    AbortRequest,
+    EncodeChatReply,
+    EncodeChatRequest,
+    ErrorReply,
+    LoadReport,
+    PrefillRequest,
+    SubmitReply,
+    TokenChunk,
+    subjects,
+)
+from deepinfer.telemetry import configure_tracing
+
+
+def find_model_dir() -> Path:
+    """The converted default model (an older cache layout still counts: only its tokenizer is used)."""
+    for d in (default_model_dir(), cache_root() / "models" / "SmolLM2-135M-Instruct-v1"):
+        if (d / "tokenizer.json").exists() and (d / "config.json").exists():
+            return d
+    return default_model_dir()
+
+
+MODEL_DIR = find_model_dir()
+MAX_MODEL_LEN = 256
+EOS = 2  # <|im_end|>
+HAVE_MODEL = (MODEL_DIR / "tokenizer.json").exists()
+TOKENIZER = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")) if HAVE_MODEL else None
+PREFILL_ID, DECODE_ID, TOKENIZER_ID = "prefill-fake", "decode-fake", "tokenizer-fake"
+HEARTBEAT_S = 0.2
+
+pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason="default model not converted")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render(messages: list[dict]) -> str:
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return out + "<|im_start|>assistant\n"
+
+
+def encode(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False).ids
+
+
+# --- fake workers ----------------------------------------------------------------
+
+
+@dataclass
+class Script:
+    """What the fake workers do with the next request."""
+
+    text: str = "Hello there!"
+    eos: bool = True  # end with the EOS token (finish "stop"); else finish "length"
+    tokens_per_chunk: int = 1
+    delay_s: float = 0.0
+    cached_tokens: int = 0
+    prefill_worker: str = PREFILL_ID
+    decode_worker: str = DECODE_ID
+    prefill_silent: bool = False  # accept, then never publish
+    no_handoff: bool = False  # publish the first token, then nothing
+    die_after: int | None = None  # decode: after N chunks stop publishing AND heartbeating
+    stall_after: int | None = None  # decode: after N chunks stop publishing, keep heartbeating
+    error_after: int | None = None  # decode: chunk N is finish_reason "error"
+    first_error: str | None = None  # prefill: the first chunk is finish_reason "error"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return encode(self.text) + ([EOS] if self.eos else [])
+
+
+@dataclass
+class FakeWorkers:
+    mesh: MeshClient
+    script: Script = field(default_factory=Script)
+    prefill_requests: list[PrefillRequest] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)  # (subject, request_id)
+    trace_ids: list[tuple[str, int]] = field(default_factory=list)  # (handler, trace_id)
+    beating: dict[str, str] = field(default_factory=dict)  # worker_id -> role
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+
+    async def start(self) -> None:
+        await self.mesh.subscribe(subjects.TOKENIZER_ENCODE_CHAT, self.on_encode, queue=subjects.TOKENIZER_GROUP)
+        await self.mesh.subscribe(subjects.PREFILL_SUBMIT, self.on_submit, queue=subjects.PREFILL_GROUP)
+        await self.mesh.nc.subscribe(f"{subjects.PREFIX}.*.*.abort", cb=self.on_abort)
+        self.beating.update({TOKENIZER_ID: "tokenizer", PREFILL_ID: "prefill", DECODE_ID: "decode"})
+        self.tasks["heartbeat"] = asyncio.create_task(self.heartbeat())
+        await self.mesh.nc.flush()
+
+    async def stop(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+
+    async def heartbeat(self) -> None:
+        while True:
+            for worker_id, role in list(self.beating.items()):
+                report = LoadReport(role=role, worker_id=worker_id, interval_s=HEARTBEAT_S)
+                await self.mesh.publish(subjects.load(role, worker_id), report)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _record_trace(self, handler: str) -> None:
+        self.trace_ids.append((handler, trace.get_current_span().get_span_context().trace_id))
+
+    async def on_encode(self, req: EncodeChatRequest):
+        self._record_trace("tokenizer")
+        if any("TRIGGER_BAD_REQUEST" in m["content"] for m in req.messages):
+            return ErrorReply(error="message content is not allowed", kind="bad_request")
+        return EncodeChatReply(req.request_id, encode(render(req.messages)))
+
+    async def on_submit(self, req: PrefillRequest):
+        self._record_trace("prefill")
+        self.prefill_requests.append(req)
+        self.tasks[req.request_id] = asyncio.create_task(self.generate(req, self.script))
+        return SubmitReply(accepted=True, worker_id=self.script.prefill_worker)
+
+    async def on_abort(self, raw) -> None:
+        from deepinfer.protocol import unpack
+
+        msg = unpack(raw.data, expect=AbortRequest)
+        self.aborts.append((raw.subject, msg.request_id))
+        task = self.tasks.pop(msg.request_id, None)
+        if task:
+            task.cancel()
+
+    async def generate(self, req: PrefillRequest, s: Script) -> None:
+        ids = s.token_ids
+        final_reason = "stop" if s.eos else "length"
+
+        def chunk(token_ids, role, worker, finish=None, error=None):
+            return TokenChunk(req.request_id, token_ids, role, worker, finish, error,
+                              num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=s.cached_tokens)
+
+        if s.prefill_silent:
+            return
+        if s.first_error:
+            await self.mesh.publish(req.stream_subject, chunk([], "prefill", s.prefill_worker, "error", s.first_error))
+            return
+        first_final = final_reason if len(ids) == 1 else None
+        await self.mesh.publish(req.stream_subject, chunk(ids[:1], "prefill", s.prefill_worker, first_final))
+        if first_final or s.no_handoff:
+            return
+        self.beating.setdefault(s.decode_worker, "decode")
+        rest = [ids[i : i + s.tokens_per_chunk] for i in range(1, len(ids), s.tokens_per_chunk)]
+        for n, part in enumerate(rest):
+            if s.die_after is not None and n >= s.die_after:
+                self.beating.pop(s.decode_worker, None)
+                return
+            if s.stall_after is not None and n >= s.stall_after:
+                return
+            await asyncio.sleep(s.delay_s)
+            if s.error_after is not None and n >= s.error_after:
+                failed = chunk([], "decode", s.decode_worker, "error", "CUDA on fire")
+                await self.mesh.publish(req.stream_subject, failed)
+                return
+            finish = final_reason if n == len(rest) - 1 else None
+            await self.mesh.publish(req.stream_subject, chunk(part, "decode", s.decode_worker, finish))
+
+
+# --- fixtures ----------------------------------------------------------------------
+
+
+def start_nats_server() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    binary = Path(sys.executable).parent / "nats-server"
+    proc = subprocess.Popen([str(binary), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, f"nats://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("nats-server did not start")
+            time.sleep(0.02)
+
+
+class InProcessGateway:
+    def __init__(self, nats_url: str):
+        self.config = GatewayConfig(
+            nats_url=nats_url,
+            model=str(MODEL_DIR),
+            max_model_len=MAX_MODEL_LEN,
+            port=free_port(),
+            worker_id="gateway-test",
+            timeouts=StreamTimeouts(inactivity_s=4.0, handoff_s=1.0, tick_s=0.1),
+        )
+        self.app = create_app(self.config, load_model(self.config))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.config.port,
+                                                    log_level="warning", lifespan="on"))
+        self.url = f"http://127.0.0.1:{self.config.port}"
+        self.model = self.app.state.gateway.model.served_name
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self.task.done():
+                raise RuntimeError("gateway did not start") from self.task.exception()
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.should_exit = True
+        await self.task
+
+
+@pytest.fixture(scope="session")
+def nats_url():
+    proc, url = start_nats_server()
+    yield url
+    proc.terminate()
+    proc.wait(5)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def workers(nats_url):
+    mesh = await MeshClient.connect(nats_url, name="fake-workers")
+    fakes = FakeWorkers(mesh)
+    await fakes.start()
+    yield fakes
+    await fakes.stop()
+    await mesh.close()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def gateway(nats_url, workers):
+    configure_tracing("gateway-test")
+    async with InProcessGateway(nats_url) as gw:
+        async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+            deadline = time.monotonic() + 5
+            while (await client.get("/health")).status_code != 200:  # first heartbeats
+                assert time.monotonic() < deadline, "gateway never saw the fake workers"
+                await asyncio.sleep(0.05)
+        yield gw
+
+
+@pytest_asyncio.fixture
+async def client(gateway):
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=15) as c:
+        yield c
+
+
+@pytest.fixture
+def script(workers):
+    """Set what the fakes do for this test; reset afterwards."""
+
+    def set_script(**kw) -> Script:
+        workers.script = Script(**kw)
+        return workers.script
+
+    yield set_script
+    workers.script = Script()
+
+
+def chat_body(model: str, content: str = "Say hello", **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def stream_events(client: httpx.AsyncClient, body: dict) -> list:
+    """POST a streaming request; return the decoded ``data:`` payloads ("[DONE]" kept as is)."""
+    events = []
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+async def eventually(predicate, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+# --- models and health -------------------------------------------------------
+
+
+async def test_models_lists_the_served_model_named_after_the_model_directory(client, gateway):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [MODEL_DIR.name] == [gateway.model]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+async def test_health_counts_live_workers_by_role(client):
+    r = await client.get("/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert all(body["workers"].get(role, 0) >= 1 for role in ("tokenizer", "prefill", "decode"))
+
+
+async def test_without_workers_health_and_chat_answer_503():
+    proc, url = start_nats_server()
+    try:
+        async with InProcessGateway(url) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+            r = await c.get("/health")
+            assert r.status_code == 503
+            assert r.json() == {"status": "unavailable", "workers": {}}
+            r = await c.post("/v1/chat/completions", json=chat_body(gw.model))
+            assert_openai_error(r, 503)
+            r = await c.post("/v1/chat/completions", json=chat_body(gw.model, stream=True))
+            assert_openai_error(r, 503)
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+# --- error shapes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": None}, "messages"),  # missing messages
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "10"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -0.5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ],
+)
+async def test_invalid_fields_are_400_naming_the_param(client, workers, body, param):
+    before = len(workers.prefill_requests)
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={**body, "stream": body.get("stream", stream)})
+        err = assert_openai_error(r, 400, param=param)
+        assert err["type"] == "invalid_request_error"
+    assert len(workers.prefill_requests) == before  # nothing reached a worker
+
+
+async def test_invalid_json_and_non_object_bodies_are_400(client):
+    r = await client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+    r = await client.post("/v1/chat/completions", json=[1, 2])
+    assert_openai_error(r, 400)
+    r = await client.post("/v1/chat/completions", content=b"")
+    assert_openai_error(r, 400)
+
+
+async def test_unknown_model_is_404_model_not_found(client):
+    r = await client.post("/v1/chat/completions", json=chat_body("gpt-17"))
+    err = assert_openai_error(r, 404, param="model", code="model_not_found")
+    assert "gpt-17" in err["message"]
+
+
+async def test_unknown_route_and_wrong_method_use_the_openai_shape(client):
+    assert_openai_error(await client.get("/v1/nothing"), 404)
+    assert_openai_error(await client.get("/v1/chat/completions"), 405)
+
+
+async def test_tokenizer_bad_request_is_400(client, gateway):
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, "TRIGGER_BAD_REQUEST"))
+    err = assert_openai_error(r, 400, param="messages")
+    assert "not allowed" in err["message"]
+
+
+async def test_prompt_longer_than_the_model_is_400(client, gateway):
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, "word " * MAX_MODEL_LEN))
+    assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, max_tokens=MAX_MODEL_LEN))
+    assert_openai_error(r, 400, param="max_tokens", code="context_length_exceeded")
+
+
+# --- sampling handed to prefill ---------------------------------------------------
+
+
+async def test_sampling_defaults_and_extensions_reach_prefill(client, gateway, workers, script):
+    script(text="ok")
+    body = chat_body(gateway.model, "Hi", seed=7, ignore_eos=True, stop_token_ids=[5])
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    req = workers.prefill_requests[-1]
+    prompt_len = len(encode(render([{"role": "user", "content": "Hi"}])))
+    assert req.prompt_token_ids == encode(render([{"role": "user", "content": "Hi"}]))
+    assert req.stream_subject == subjects.stream(req.request_id)
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.max_tokens) == (1.0, 1.0, MAX_MODEL_LEN - prompt_len)
+    assert (s.seed, s.ignore_eos, s.stop_token_ids) == (7, True, [5])
+
+    body = chat_body(gateway.model, "Hi", temperature=0, top_p=0.5, max_completion_tokens=9, max_tokens=3)
+    r = await client.post("/v1/chat/completions", json=body)
+    s = workers.prefill_requests[-1].sampling
+    assert (s.temperature, s.top_p, s.max_tokens) == (0.0, 0.5, 9)
+
+
+async def test_text_content_parts_are_joined(client, gateway, workers, script):
+    script(text="ok")
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    body = {"model": gateway.model, "messages": [{"role": "developer", "content": "Be brief"},
+                                                 {"role": "user", "content": parts}]}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    expected = render([{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hello\nworld"}])
+    assert workers.prefill_requests[-1].prompt_token_ids == encode(expected)
+
+
+# --- text: detokenization, stop strings, usage ------------------------------------------
+
+
+UNICODE_TEXT = "Grüße 🦙 from 東京! ✨ done"
+
+
+async def test_streamed_text_equals_non_streamed_text_across_split_utf8(client, gateway, script):
+    ids = encode(UNICODE_TEXT)
+    assert any("\ufffd" in TOKENIZER.decode([i]) for i in ids), "test text must split a character over tokens"
+    for per_chunk in (1, 2, 3):
+        script(text=UNICODE_TEXT, tokens_per_chunk=per_chunk)
+        r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": UNICODE_TEXT}
+        assert choice["finish_reason"] == "stop"
+
+        events = await stream_events(client, chat_body(gateway.model))
+        assert events[-1] == "[DONE]"
+        deltas = [e["choices"][0]["delta"].get("content") for e in events[:-1]]
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("\ufffd" not in (d or "") for d in deltas)
+        assert streamed_text(events) == UNICODE_TEXT
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+
+
+async def test_length_finish_is_reported(client, gateway, script):
+    script(text="cut short", eos=False)
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, max_tokens=3))
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["choices"][0]["message"]["content"] == "cut short"
+
+
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (["swer is 4"], "The an"),  # spans several tokens and starts mid-token
+        ("42.", "The answer is "),
+        (["final", "\n\n", "is"], "The answer "),  # the earliest occurrence of any stop string wins
+        (["zzz"], "The answer is 42. It is final."),  # no match: held-back text is flushed
+    ],
+)
+async def test_stop_strings_cut_text_identically_when_streaming(client, gateway, workers, script, stop, expected):
+    script(text="The answer is 42. It is final.", delay_s=0.005)
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, stop=stop))
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == expected
+    assert choice["finish_reason"] == "stop"
+    events = await stream_events(client, chat_body(gateway.model, stop=stop))
+    assert streamed_text(events) == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    if stop != ["zzz"]:  # generation was cut by the gateway: the decode worker is told to stop
+        rid = workers.prefill_requests[-1].request_id
+        await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts)
+
+
+async def test_usage_block_counts_prompt_completion_and_cached_tokens(client, gateway, script):
+    script(text="Four tokens here", cached_tokens=7)
+    prompt_len = len(encode(render([{"role": "user", "content": "Say hello"}])))
+    completion_len = len(encode("Four tokens here")) + 1  # + EOS
+    expected = {"prompt_tokens": prompt_len, "completion_tokens": completion_len,
+                "total_tokens": prompt_len + completion_len, "prompt_tokens_details": {"cached_tokens": 7}}
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    body = r.json()
+    assert body["usage"] == expected
+    assert body["object"] == "chat.completion" and body["model"] == gateway.model
+    assert body["id"].startswith("chatcmpl-")
+
+    events = await stream_events(client, chat_body(gateway.model, stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == expected
+    assert all(e["usage"] is None for e in events[:-2])
+    events = await stream_events(client, chat_body(gateway.model))
+    assert all("usage" not in e for e in events[:-1])
+
+
+async def test_return_token_ids_like_vllm(client, gateway, script):
+    s = script(text="Token ids please", tokens_per_chunk=2)
+    prompt_ids = encode(render([{"role": "user", "content": "Say hello"}]))
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, return_token_ids=True))
+    body = r.json()
+    assert body["prompt_token_ids"] == prompt_ids
+    assert body["choices"][0]["token_ids"] == s.token_ids
+
+    events = await stream_events(client, chat_body(gateway.model, return_token_ids=True))
+    assert events[0]["prompt_token_ids"] == prompt_ids
+    streamed_ids = [t for e in events[1:-1] for t in e["choices"][0]["token_ids"]]
+    assert streamed_ids == s.token_ids
+    plain = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+
+
+# --- failures: dead workers, timeouts, worker errors -------------------------------------
+
+
+async def test_decode_worker_dying_mid_stream_ends_the_stream_with_an_error(client, gateway, script):
+    script(text="one two three four five six seven eight", decode_worker="decode-doomed-1", die_after=3,
+           delay_s=0.02)
+    t0 = time.monotonic()
+    events = await stream_events(client, chat_body(gateway.model))
+    elapsed = time.monotonic() - t0
+    assert "error" in events[-1] and "[DONE]" not in events
+    assert "decode-doomed-1" in events[-1]["error"]["message"]
+    assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+    assert streamed_text(events)  # some text came before the failure
+    assert elapsed < 6, elapsed
+
+
+async def test_prefill_worker_dead_before_first_token_is_503(client, gateway, script):
+    script(prefill_worker="prefill-doomed-1", prefill_silent=True)
+    t0 = time.monotonic()
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, stream=True))
+    err = assert_openai_error(r, 503)
+    assert "prefill-doomed-1" in err["message"]
+    assert time.monotonic() - t0 < 6
+
+
+async def test_handoff_that_produces_nothing_fails_and_aborts_prefill(client, gateway, workers, script):
+    script(text="first then nothing", no_handoff=True)
+    events = await stream_events(client, chat_body(gateway.model))
+    assert "handoff" in events[-1]["error"]["message"]
+    rid = workers.prefill_requests[-1].request_id
+    await eventually(lambda: (subjects.abort("prefill", PREFILL_ID), rid) in workers.aborts)
+
+
+async def test_live_but_silent_decode_worker_hits_the_inactivity_timeout(client, gateway, workers, script):
+    script(text="a b c d e f", stall_after=2)
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert_openai_error(r, 503, code="timeout")
+    rid = workers.prefill_requests[-1].request_id
+    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts)
+
+
+async def test_worker_error_is_500_before_output_and_an_sse_error_after(client, gateway, script):
+    script(first_error="out of KV blocks")
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    err = assert_openai_error(r, 500)
+    assert "out of KV blocks" in err["message"]
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, stream=True))
+    assert_openai_error(r, 500)
+
+    script(text="a b c d e f", error_after=2)
+    events = await stream_events(client, chat_body(gateway.model))
+    assert "CUDA on fire" in events[-1]["error"]["message"]
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert_openai_error(r, 500)
+
+
+async def test_client_disconnect_mid_stream_aborts_the_decode_worker(client, gateway, workers, script):
+    script(text="word " * 150, delay_s=0.02)
+    async with client.stream("POST", "/v1/chat/completions", json=chat_body(gateway.model, stream=True)) as r:
+        seen = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 4:
+                break
+    rid = workers.prefill_requests[-1].request_id
+    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts, timeout=2)
+
+
+async def test_client_leaving_a_non_streaming_request_aborts_the_worker(gateway, workers, script):
+    script(text="word " * 150, delay_s=0.02)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=0.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            await c.post("/v1/chat/completions", json=chat_body(gateway.model))
+    rid = workers.prefill_requests[-1].request_id
+    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts, timeout=2)
+
+
+# --- tracing -------------------------------------------------------------------------
+
+
+async def test_one_request_is_one_trace_through_tokenizer_and_prefill(client, gateway, workers, script):
+    script(text="traced")
+    workers.trace_ids.clear()
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert r.status_code == 200
+    handlers = dict(workers.trace_ids)
+    assert set(handlers) == {"tokenizer", "prefill"}
+    assert handlers["tokenizer"] == handlers["prefill"] != 0
+
+
+# --- the official openai client ------------------------------------------------------
+
+
+async def test_openai_client_parses_streaming_and_non_streaming(gateway, script):
+    script(text=UNICODE_TEXT, cached_tokens=3)
+
+    def sync_calls():
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+        models = c.models.list()
+        done = c.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=50, temperature=0)
+        chunks = list(c.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}],
+                                                stream=True, stream_options={"include_usage": True}))
+        return models, done, chunks
+
+    models, done, chunks = await asyncio.to_thread(sync_calls)
+    assert [m.id for m in models.data] == [gateway.model]
+    assert done.choices[0].message.content == UNICODE_TEXT
+    assert done.choices[0].finish_reason == "stop"
+    assert done.usage.prompt_tokens_details.cached_tokens == 3
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == UNICODE_TEXT
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+    ac = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = await ac.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}],
+                                              stream=True, extra_body={"return_token_ids": True})
+    text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == UNICODE_TEXT
+
+    with pytest.raises(openai.NotFoundError):
+        await ac.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        await ac.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}], top_p=2)
+    assert e.value.body["param"] == "top_p"
+    await ac.close()
+
+
+async def test_openai_client_raises_api_error_on_a_mid_stream_failure(gateway, script):
+    script(text="a b c d e f", error_after=2)
+    ac = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    stream = await ac.chat.completions.create(model=gateway.model, messages=[{"role": "user", "content": "hi"}],
+                                              stream=True)
+    with pytest.raises(openai.APIError, match="CUDA on fire"):
+        async for _ in stream:
+            pass
+    await ac.close()
+
+
+# --- the entry point ------------------------------------------------------------------
+
+
+async def test_main_serves_and_stops_cleanly_on_sigterm(nats_url, workers):
+    port = free_port()
+    env = {**os.environ, "DEEPINFER_NATS_URL": nats_url, "DEEPINFER_MODEL": str(MODEL_DIR)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepinfer.gateway", "--port", str(port), "--served-model-name", "smol",
+         "--log-level", "WARNING"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    r = await c.get("/health")
+                    if r.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read().decode()
+                await asyncio.sleep(0.1)
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["smol"]
+            r = await c.post("/v1/chat/completions", json=chat_body("smol"))
+            assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,161 @@
+"""Gateway pieces without a mesh: detokenizer, stop strings, output processor, worker registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from deepinfer.gateway.detokenizer import IncrementalDetokenizer
+from deepinfer.gateway.output import OutputProcessor
+from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.stop import StopStringMatcher
+from deepinfer.models.convert import cache_root, default_model_dir
+from deepinfer.protocol import LoadReport, TokenChunk
+
+
+def find_model_dir() -> Path:
+    """The converted default model (an older cache layout still counts: only its tokenizer is used)."""
+    for d in (default_model_dir(), cache_root() / "models" / "SmolLM2-135M-Instruct-v1"):
+        if (d / "tokenizer.json").exists() and (d / "config.json").exists():
+            return d
+    return default_model_dir()
+
+
+MODEL_DIR = find_model_dir()
+needs_model = pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").exists(), reason="default model not converted")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+
+
+# --- detokenizer -------------------------------------------------------------------
+
+
+@needs_model
+@pytest.mark.parametrize("text", ["Grüße 🦙 from 東京! ✨", "plain ascii text", "🦙🦙🦙", "a\n\n  b\tc", "Ωμέγα"])
+def test_incremental_detokenization_never_emits_partial_characters(tok, text):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([i]) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text == tok.decode(ids)
+
+
+@needs_model
+def test_special_tokens_are_skipped(tok):
+    ids = tok.encode("Hi there", add_special_tokens=False).ids + [2]  # <|im_end|>
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.add([i]) for i in ids) + detok.flush() == "Hi there"
+
+
+@needs_model
+def test_unfinished_character_is_flushed_as_replacement_at_the_end(tok):
+    ids = tok.encode("🦙", add_special_tokens=False).ids
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(ids[:-1]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+# --- stop strings ---------------------------------------------------------------------
+
+
+def feed(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
+    out = ""
+    for p in pieces:
+        text, stopped = matcher.add(p)
+        out += text
+        if stopped:
+            return out, True
+    return out + matcher.flush(), False
+
+
+@pytest.mark.parametrize(
+    "stops, pieces, expected, stopped",
+    [
+        (["STOP"], ["Hello ST", "OP there"], "Hello ", True),
+        (["STOP"], ["Hello S", "T", "O", "P"], "Hello ", True),
+        (["STOP"], ["Hello ST", "ART"], "Hello START", False),
+        (["ab", "b"], ["xab"], "x", True),  # earliest occurrence wins
+        (["abc"], ["ab"], "ab", False),  # held back, flushed at the end
+        ([], ["anything"], "anything", False),
+        ([""], ["empty stop strings are ignored"], "empty stop strings are ignored", False),
+    ],
+)
+def test_stop_strings_with_hold_back(stops, pieces, expected, stopped):
+    assert feed(StopStringMatcher(stops), pieces) == (expected, stopped)
+
+
+def test_hold_back_keeps_only_a_possible_stop_prefix():
+    m = StopStringMatcher(["<end>"])
+    assert m.add("text <e") == ("text ", False)
+    assert m.add("x") == ("<ex", False)
+
+
+# --- output processor ------------------------------------------------------------------
+
+
+@needs_model
+def test_output_processor_streams_what_it_would_return_whole(tok):
+    text = "Grüße 🦙 ok STOP ignored"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    proc = OutputProcessor(tok, ["STOP"])
+    out = []
+    for n, i in enumerate(ids):
+        d = proc.process(TokenChunk("r", [i], "decode", "w", "stop" if n == len(ids) - 1 else None))
+        out.append(d.text)
+        if d.finish_reason:
+            break
+    assert "".join(out) == "Grüße 🦙 ok "
+    assert proc.finish_reason == "stop" and proc.stopped_by_string
+
+
+# --- registry ---------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_worker_is_dead_after_three_intervals_but_never_before_three_seconds():
+    clock = Clock()
+    reg = WorkerRegistry(clock=clock)
+    reg.observe(LoadReport(role="decode", worker_id="fast", interval_s=0.1))
+    reg.observe(LoadReport(role="decode", worker_id="slow", interval_s=2.0))
+    clock.t += 2.9
+    assert reg.is_alive("fast") and reg.is_alive("slow")
+    clock.t += 0.2
+    assert not reg.is_alive("fast") and reg.is_alive("slow")
+    clock.t += 3.0
+    assert not reg.is_alive("slow")
+
+
+def test_unknown_worker_gets_a_grace_period_from_when_it_was_first_watched():
+    clock = Clock()
+    reg = WorkerRegistry(clock=clock)
+    since = clock.t
+    clock.t += 2.0
+    assert reg.is_alive("new", since=since)
+    clock.t += 1.5
+    assert not reg.is_alive("new", since=since)
+
+
+def test_counts_skip_dead_and_draining_workers():
+    clock = Clock()
+    reg = WorkerRegistry(clock=clock)
+    reg.observe(LoadReport(role="prefill", worker_id="p1"))
+    reg.observe(LoadReport(role="prefill", worker_id="p2", draining=True))
+    reg.observe(LoadReport(role="decode", worker_id="d1"))
+    clock.t += 2
+    reg.observe(LoadReport(role="tokenizer", worker_id="t1"))
+    assert reg.counts() == {"prefill": 1, "decode": 1, "tokenizer": 1}
+    clock.t += 2
+    assert reg.counts() == {"tokenizer": 1}
