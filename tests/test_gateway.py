@@ -32,7 +32,7 @@ from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
 from deepinfer.gateway.stream import StreamTimeouts
 from deepinfer.mesh import MeshClient
-from deepinfer.models.convert import cache_root, default_model_dir
+from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import (
     AbortRequest,
     EncodeChatReply,
@@ -47,23 +47,12 @@ from deepinfer.protocol import (
 from deepinfer.telemetry import configure_tracing
 
 
-def find_model_dir() -> Path:
-    """The converted default model (an older cache layout still counts: only its tokenizer is used)."""
-    for d in (default_model_dir(), cache_root() / "models" / "SmolLM2-135M-Instruct-v1"):
-        if (d / "tokenizer.json").exists() and (d / "config.json").exists():
-            return d
-    return default_model_dir()
-
-
-MODEL_DIR = find_model_dir()
+MODEL_DIR = ensure_default_model(progress=False)  # converts once on a fresh machine
 MAX_MODEL_LEN = 256
 EOS = 2  # <|im_end|>
-HAVE_MODEL = (MODEL_DIR / "tokenizer.json").exists()
-TOKENIZER = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")) if HAVE_MODEL else None
+TOKENIZER = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 PREFILL_ID, DECODE_ID, TOKENIZER_ID = "prefill-fake", "decode-fake", "tokenizer-fake"
 HEARTBEAT_S = 0.2
-
-pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason="default model not converted")
 
 
 def free_port() -> int:

@@ -11,20 +11,11 @@ from deepinfer.gateway.detokenizer import IncrementalDetokenizer
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.stop import StopStringMatcher
-from deepinfer.models.convert import cache_root, default_model_dir
+from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import LoadReport, TokenChunk
 
 
-def find_model_dir() -> Path:
-    """The converted default model (an older cache layout still counts: only its tokenizer is used)."""
-    for d in (default_model_dir(), cache_root() / "models" / "SmolLM2-135M-Instruct-v1"):
-        if (d / "tokenizer.json").exists() and (d / "config.json").exists():
-            return d
-    return default_model_dir()
-
-
-MODEL_DIR = find_model_dir()
-needs_model = pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").exists(), reason="default model not converted")
+MODEL_DIR = ensure_default_model(progress=False)  # converts once on a fresh machine
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +26,6 @@ def tok():
 # --- detokenizer -------------------------------------------------------------------
 
 
-@needs_model
 @pytest.mark.parametrize("text", ["Grüße 🦙 from 東京! ✨", "plain ascii text", "🦙🦙🦙", "a\n\n  b\tc", "Ωμέγα"])
 def test_incremental_detokenization_never_emits_partial_characters(tok, text):
     ids = tok.encode(text, add_special_tokens=False).ids
@@ -45,14 +35,12 @@ def test_incremental_detokenization_never_emits_partial_characters(tok, text):
     assert "".join(pieces) == text == tok.decode(ids)
 
 
-@needs_model
 def test_special_tokens_are_skipped(tok):
     ids = tok.encode("Hi there", add_special_tokens=False).ids + [2]  # <|im_end|>
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.add([i]) for i in ids) + detok.flush() == "Hi there"
 
 
-@needs_model
 def test_unfinished_character_is_flushed_as_replacement_at_the_end(tok):
     ids = tok.encode("🦙", add_special_tokens=False).ids
     assert len(ids) > 1
@@ -99,7 +87,6 @@ def test_hold_back_keeps_only_a_possible_stop_prefix():
 # --- output processor ------------------------------------------------------------------
 
 
-@needs_model
 def test_output_processor_streams_what_it_would_return_whole(tok):
     text = "Grüße 🦙 ok STOP ignored"
     ids = tok.encode(text, add_special_tokens=False).ids
