@@ -152,4 +152,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta)
         x = self.model.norm(x[logits_index])
-        return self.lm_head(x).float()
+        # NOTE: W @ x^T instead of linear(x, W): for the vocab-sized projection with few
+        # rows, MKL is ~2x faster in this orientation on CPU (benchmarks/ figures in docs).
+        return (self.lm_head.weight @ x.t()).t().float()
