@@ -1,6 +1,7 @@
 """Scheduler and block manager without a model: they move integers only."""
 
 from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.protocol import SamplingParams
@@ -8,9 +9,9 @@ from deepinfer.protocol import SamplingParams
 EOS = 2
 
 
-def make(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, max_len=100):
-    bm = BlockManager(num_blocks, block_size)
-    return bm, Scheduler(bm, max_num_seqs, budget, max_len, [EOS])
+def make(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, max_len=100, time_budget=None, cost=None):
+    bm = BlockManager(num_blocks, block_size, "fp")
+    return bm, Scheduler(bm, max_num_seqs, budget, max_len, [EOS], cost, time_budget, min_chunk=block_size)
 
 
 def seq(rid, n, max_tokens=10, **kw):
@@ -23,7 +24,7 @@ def test_prefill_then_decode_allocates_blocks_as_sequences_grow():
     s.add(a), s.add(b)
     assert s.schedule() == [a, b]
     assert len(a.block_table) == 2 and len(b.block_table) == 1
-    s.postprocess([a, b], [50, 51])
+    s.postprocess([a, b], {0: 50, 1: 51})
     assert a.num_computed_tokens == 5 and len(a) == 6
     assert s.schedule() == [a, b]  # decode step: both fit
     assert bm.num_free_blocks == 8 - 3
@@ -35,7 +36,7 @@ def test_finish_reasons_stop_length_and_ignore_eos():
     for x in (a, b, c):
         s.add(x)
     s.schedule()
-    done = s.postprocess([a, b, c], [EOS, 7, EOS])
+    done = s.postprocess([a, b, c], {0: EOS, 1: 7, 2: EOS})
     assert [x.request_id for x in done] == ["a", "b"]
     assert a.finish_reason == "stop" and b.finish_reason == "length" and c.finish_reason is None
 
@@ -45,14 +46,46 @@ def test_stop_token_ids_finish_with_stop():
     a = seq("a", 3, stop_token_ids=[42])
     s.add(a)
     s.schedule()
-    assert s.postprocess([a], [42]) == [a] and a.finish_reason == "stop"
+    assert s.postprocess([a], {0: 42}) == [a] and a.finish_reason == "stop"
 
 
-def test_token_budget_limits_prefill_batch():
+def test_token_budget_chunks_prefills():
     _, s = make(budget=8)
     a, b = seq("a", 6), seq("b", 6)
     s.add(a), s.add(b)
-    assert s.schedule() == [a]
+    assert s.schedule() == [a, b]
+    assert (a.num_scheduled_tokens, b.num_scheduled_tokens) == (6, 2)
+    s.postprocess([a, b], {0: 50})  # b's chunk did not reach its end: no token
+    assert len(a) == 7 and len(b) == 6 and b.num_computed_tokens == 2
+    assert s.schedule() == [a, b] and (a.num_scheduled_tokens, b.num_scheduled_tokens) == (1, 4)
+
+
+def test_time_budget_cuts_shorter_chunks_at_longer_context():
+    cost = StepCostModel(a=0.0, b=1e-3, d=1e-4)
+    _, s = make(num_blocks=512, block_size=4, budget=10_000, time_budget=0.2, cost=cost)
+    long = seq("long", 1000)
+    s.add(long)
+    s.schedule()
+    first = long.num_scheduled_tokens
+    assert cost.piece_cost(first, 0) <= 0.2 < cost.piece_cost(first + 1, 0)
+    s.postprocess([long], {})
+    s.schedule()
+    second = long.num_scheduled_tokens
+    assert second < first  # same time, more context -> fewer tokens
+    assert cost.piece_cost(second, first) <= 0.2 < cost.piece_cost(second + 1, first)
+
+
+def test_decodes_are_scheduled_even_past_the_time_budget():
+    cost = StepCostModel(a=0.0, b=1.0, d=0.0)  # every token "costs" a second
+    _, s = make(time_budget=0.5, cost=cost)
+    a = seq("a", 3)
+    s.add(a)
+    s.schedule()
+    s.postprocess([a], {0: 9})
+    b = seq("b", 12)
+    s.add(b)
+    assert s.schedule() == [a, b]
+    assert a.num_scheduled_tokens == 1 and b.num_scheduled_tokens == 4  # min chunk = block size
 
 
 def test_preemption_frees_blocks_and_requeues_for_recompute():
@@ -60,7 +93,7 @@ def test_preemption_frees_blocks_and_requeues_for_recompute():
     a, b = seq("a", 4), seq("b", 4)
     s.add(a), s.add(b)
     assert s.schedule() == [a, b]
-    s.postprocess([a, b], [60, 61])  # both now need a 2nd block; only 0 free
+    s.postprocess([a, b], {0: 60, 1: 61})  # both now need a 2nd block; only 0 free
     scheduled = s.schedule()
     assert scheduled == [a]  # b preempted so a can continue
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
@@ -76,3 +109,49 @@ def test_abort_frees_blocks():
     assert bm.num_free_blocks == 5
     assert s.abort("a") is a and bm.num_free_blocks == 8 and not s.has_unfinished()
     assert s.abort("a") is None
+
+
+def test_prefix_cache_hits_skip_computed_blocks_and_leave_one_token():
+    bm, s = make(num_blocks=16, block_size=4)
+    a = seq("a", 10)
+    s.add(a)
+    s.schedule()
+    s.postprocess([a], {0: 99})
+    s.abort("a")  # finished: blocks freed but their hashes stay cached
+    b = Sequence("b", list(range(10, 20)) + [7, 7], 12, SamplingParams(temperature=0))
+    s.add(b)
+    s.schedule()
+    assert b.num_cached_tokens == 8 and b.num_scheduled_tokens == 4
+    exact = seq("c", 8)  # fully cached prompt: one block is recomputed for the logits
+    s.add(exact)
+    s.schedule()
+    assert exact.num_cached_tokens == 4 and exact.num_scheduled_tokens == 4
+    assert bm.num_hit_tokens == 12
+
+
+def test_cache_salt_isolates_tenants():
+    bm, s = make(num_blocks=16, block_size=4)
+    a = Sequence("a", list(range(12)), 12, SamplingParams(), cache_salt=b"tenant-1")
+    s.add(a)
+    s.schedule()
+    s.postprocess([a], {0: 5})
+    b = Sequence("b", list(range(12)), 12, SamplingParams(), cache_salt=b"tenant-2")
+    assert bm.find_cached_prefix(b) == []
+    c = Sequence("c", list(range(12)), 12, SamplingParams(), cache_salt=b"tenant-1")
+    assert len(bm.find_cached_prefix(c)) == 2
+
+
+def test_lru_evicts_least_recently_freed_cached_blocks_first():
+    bm = BlockManager(4, 2, "fp")
+    old, new = Sequence("o", [1, 2, 3, 4], 4, SamplingParams()), Sequence("n", [5, 6, 7, 8], 4, SamplingParams())
+    for x in (old, new):
+        bm.allocate(x, 4)
+        x.num_computed_tokens = 4
+        bm.cache_computed_blocks(x)
+    bm.free(old)
+    bm.free(new)
+    assert len(bm.cached) == 4 and bm.num_free_blocks == 4
+    grab = Sequence("g", [0] * 4, 4, SamplingParams())
+    bm.allocate(grab, 4)  # takes 2 blocks: old's are evicted, new's survive
+    assert bm.find_cached_prefix(Sequence("n2", [5, 6, 7, 8, 9], 5, SamplingParams())) != []
+    assert bm.find_cached_prefix(Sequence("o2", [1, 2, 3, 4, 9], 5, SamplingParams())) == []

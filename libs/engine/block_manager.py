@@ -1,49 +1,151 @@
-"""KV block allocation: a free list of fixed-size blocks and per-sequence block tables.
+"""KV block pool with prefix caching (vLLM v1's KVCacheManager / BlockPool, simplified).
 
-Prefix caching (hash-addressed reuse of blocks) arrives with issue #3; the
-hash chain itself lives in ``deepinfer.kvstore.hashing`` so the storage tier
-and the index use the same keys.
+Every block has a reference count and, once full and computed, the chained
+prefix hash of its tokens (``deepinfer.kvstore.hashing``: the same hashes the
+storage tier and kvindex use). ``cached`` maps hash -> block id. A block whose
+last user finished keeps its hash and goes to the tail of the free queue, so
+it can be hit again until it is evicted (LRU: allocation pops the head)::
+
+    free queue:  head [never used | evicted first ... recently freed] tail
+    sequence A:  [h0][h1][h2][partial]      ref counts 1 1 1 1
+    sequence B:  [h0][h1][new ][partial]    hits h0,h1 -> ref counts 2 2
+
+A sequence's blocks are freed tail first, so a prefix's earlier blocks (the
+ones other prompts are most likely to share) are evicted last.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from deepinfer.engine.sequence import Sequence
+from deepinfer.kvstore.hashing import extend_hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: str | None = None
 
 
 class BlockManager:
-    """Hands out block ids ``0 .. num_blocks-1``; ``block_size`` tokens per block."""
+    """Hands out block ids ``0 .. num_blocks-1``; ``block_size`` tokens per block.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    fingerprint: model fingerprint rooting the hash chain (``model_fingerprint``).
+    enable_prefix_caching: reuse computed blocks across sequences by hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[str, int] = {}
+        # prefix-cache statistics, in tokens
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks ``seq`` needs to hold KV for its first ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self.free_blocks)
+    # --- hashing -------------------------------------------------------------
+    def hashes(self, seq: Sequence) -> list[str]:
+        """The sequence's full-block hash chain, extended to its current tokens."""
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.fingerprint, seq.cache_salt)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq.block_table`` to cover ``num_tokens`` tokens.
+    # --- prefix cache -----------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq`` (a new sequence without blocks).
 
-        Raises MemoryError when not enough blocks are free (check ``can_allocate`` first).
+        At least one token is always left to compute (its logits are needed),
+        so a fully cached prompt hits all blocks but the last.
         """
-        need = self.blocks_needed(seq, num_tokens)
-        if need > len(self.free_blocks):
-            raise MemoryError(f"need {need} KV blocks, {len(self.free_blocks)} free")
-        for _ in range(need):
-            seq.block_table.append(self.free_blocks.popleft())
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self.hashes(seq):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        if hits and len(hits) * self.block_size >= len(seq):
+            hits.pop()
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Whether ``seq`` can hold ``num_tokens`` tokens of KV (after taking ``hits``)."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table) - len(hits)
+        # hit blocks that sit in the free queue are taken out of it, not handed out
+        reusable = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return need <= len(self.free_queue) - reusable
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
+        """Take the ``hits`` (cached prefix blocks) then grow the block table to ``num_tokens`` tokens.
+
+        Hits advance ``seq.num_computed_tokens`` and ``seq.num_cached_tokens``.
+        Raises MemoryError when not enough blocks are free (check ``can_allocate``).
+        """
+        if not self.can_allocate(seq, num_tokens, hits):
+            raise MemoryError(f"not enough free KV blocks for {num_tokens} tokens")
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if hits:
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        for _ in range(-(-num_tokens // self.block_size) - len(seq.block_table)):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict it from the prefix cache
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+
+    def record_query(self, seq: Sequence) -> None:
+        """Count a new sequence's prompt and hit tokens for the hit rate (once per sequence)."""
+        self.num_queried_tokens += seq.num_prompt_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.hashes(seq)
+        for i in range(min(seq.num_computed_tokens // self.block_size, len(hashes))):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                block.block_hash = hashes[i]
+                self.cached.setdefault(hashes[i], block.block_id)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks; its KV is gone (num_computed_tokens = 0)."""
-        self.free_blocks.extend(seq.block_table)
+        """Release all of ``seq``'s blocks (tail first); its KV is gone (num_computed_tokens = 0)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:  # nothing to reuse: hand it out first
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()

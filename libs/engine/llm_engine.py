@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.cost_model import StepCostModel, features
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.sampler import sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.loader import DTYPES, load_model
 from deepinfer.protocol import SamplingParams
 
@@ -33,7 +35,10 @@ class RequestError(ValueError):
 @dataclass
 class EngineConfig:
     """block_size: tokens per KV block. kv_cache_bytes: memory for the KV cache.
-    max_model_len: None = the model's max_position_embeddings."""
+    max_model_len: None = the model's max_position_embeddings.
+    step_time_budget_s: predicted compute per step that prefill chunks may fill
+    (None = no time budget: whole prompts up to max_num_batched_tokens).
+    calibrate: time a few forward passes at start-up to fit the step cost model."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -43,6 +48,9 @@ class EngineConfig:
     dtype: str = "float32"
     prefill_only: bool = False
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    step_time_budget_s: float | None = None
+    calibrate: bool = False
 
 
 @dataclass
@@ -60,6 +68,7 @@ class StepOutput:
     num_prompt_tokens: int
     kv_blocks: torch.Tensor | None = None
     num_kv_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -73,19 +82,26 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype)
         num_blocks = max(2, config.kv_cache_bytes // self.block_bytes)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
+                                          config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, config.block_size, num_blocks, dtype)
+        self.cost_model = StepCostModel()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, mc.eos_token_ids)
+                                   self.max_model_len, mc.eos_token_ids, self.cost_model,
+                                   config.step_time_budget_s, min_chunk=config.block_size)
         self.generators: dict[str, torch.Generator] = {}
         self.peak_batch_size = 0
         self.num_steps = 0
+        self.num_computed_tokens_total = 0  # tokens fed through the model (not cache hits)
         self.last_step_s = 0.0
+        if config.calibrate:
+            self.calibrate()
 
     # --- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     output_token_ids: list[int] = (), kv_blocks: torch.Tensor | None = None,
-                    num_kv_tokens: int = 0) -> None:
+                    num_kv_tokens: int = 0, cache_salt: str | None = None) -> None:
         """Queue a request. With ``kv_blocks`` covering the first ``num_kv_tokens`` tokens
         (must be all tokens but the last), it joins the running batch without a prefill.
 
@@ -96,7 +112,8 @@ class LLMEngine:
             raise RequestError("empty prompt")
         if len(tokens) >= self.max_model_len:
             raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
-        seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only)
+        seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
+                       cache_salt=(cache_salt or "").encode())
         if sampling.seed is not None:
             self.generators[request_id] = torch.Generator().manual_seed(sampling.seed)
         if kv_blocks is not None:
@@ -126,16 +143,26 @@ class LLMEngine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        pieces = [(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs]
         t0 = time.perf_counter()
         logits = self.runner.run(seqs)
-        tokens = sample(logits, [s.sampling for s in seqs], [self.generators.get(s.request_id) for s in seqs])
         self.last_step_s = time.perf_counter() - t0
+        self.cost_model.observe(pieces, self.last_step_s)
+        # only sequences whose fed tokens reach their end sample a token
+        done = [i for i, s in enumerate(seqs) if s.num_computed_tokens + s.num_scheduled_tokens == len(s)]
+        tokens = sample(logits[done], [seqs[i].sampling for i in done],
+                        [self.generators.get(seqs[i].request_id) for i in done])
         self.num_steps += 1
+        self.num_computed_tokens_total += sum(n for n, _ in pieces)
         self.peak_batch_size = max(self.peak_batch_size, len(seqs))
-        finished = {id(s) for s in self.scheduler.postprocess(seqs, tokens)}
+        sampled = dict(zip(done, tokens))
+        finished = {id(s) for s in self.scheduler.postprocess(seqs, sampled)}
         outputs = []
-        for seq, tok in zip(seqs, tokens):
-            out = StepOutput(seq.request_id, [tok], seq.finish_reason, seq.num_prompt_tokens)
+        for i, seq in enumerate(seqs):
+            if i not in sampled:
+                continue
+            out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
+                             num_cached_tokens=seq.num_cached_tokens)
             if id(seq) in finished:
                 if seq.finish_reason == "handoff":
                     out.num_kv_tokens = seq.num_computed_tokens
@@ -145,6 +172,35 @@ class LLMEngine:
                 self.generators.pop(seq.request_id, None)
             outputs.append(out)
         return outputs
+
+    # --- cost model ---------------------------------------------------------------
+    def calibrate(self) -> None:
+        """Fit the step cost model from a few timed forward passes on dummy sequences.
+
+        Shapes: prefills of 16..256 tokens at context 0 and 256, decode batches
+        of 1..16 at context 128..512 (a few seconds of compute on 2 CPU cores).
+        The first shape runs twice; its first run (warm-up) is not recorded.
+        """
+        shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 256)], [(128, 256)],
+                  [(1, 128)], [(1, 512)] * 4, [(1, 256)] * 16]
+        for k, pieces in enumerate(shapes):
+            seqs = []
+            for i, (n, c) in enumerate(pieces):
+                seq = Sequence(f"__calibrate_{i}", [0] * (c + n), c + n, SamplingParams(max_tokens=1))
+                if not self.block_manager.can_allocate(seq, c + n):
+                    break
+                self.block_manager.allocate(seq, c + n)
+                seq.num_computed_tokens, seq.num_scheduled_tokens = c, n
+                seqs.append(seq)
+            if len(seqs) == len(pieces):
+                t0 = time.perf_counter()
+                self.runner.run(seqs)
+                if k > 0:
+                    self.cost_model.samples.append((features(pieces), time.perf_counter() - t0))
+            for seq in seqs:
+                self.block_manager.free(seq)
+        if len(self.cost_model.samples) >= 3:
+            self.cost_model.fit()
 
     # --- load -----------------------------------------------------------------
     @property

@@ -35,14 +35,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed every sequence's tokens without KV; return next-token logits [B, V] float32."""
-        input_ids, positions, query_lens = [], [], []
+        """Feed each sequence's ``num_scheduled_tokens`` tokens after its computed ones;
+        return the logits after each sequence's last fed token: [B, V] float32."""
+        input_ids, positions, query_lens, context_lens = [], [], [], []
         for seq in seqs:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            query_lens.append(len(seq) - start)
-        meta = build_metadata(query_lens, [len(s) for s in seqs], [s.block_table for s in seqs], self.block_size)
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size)
         logits_index = torch.tensor(query_lens).cumsum(0) - 1
         return self.model(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, logits_index

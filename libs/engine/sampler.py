@@ -1,28 +1,259 @@
-"""Token sampling: greedy, temperature and top-p (nucleus, Holtzman et al. 2019)."""
+"""Token sampling: one token per row of logits, each row by its own request's ``SamplingParams``.
+
+Every stage runs only on the rows that set its knob, in vLLM v1's order::
+
+    logits [B, V] float32, from the model
+      1. logit_bias          l[t] += bias[t]                                     (OpenAI)
+      2. min_tokens          l[EOS], l[stop_token_ids] = -inf while num_output_tokens < min_tokens
+      3. repetition_penalty  t in prompt + output:  l > 0 ? l / r : l * r         (HF / CTRL)
+      4. frequency/presence  l[t] -= frequency * count_out(t) + presence * (count_out(t) > 0)  (OpenAI)
+         |--> logprobs: log_softmax of these logits (see NOTE below)
+         '--> temperature 0 (greedy): argmax of these logits; done
+      5. temperature         l / T
+      6. min_p               drop tokens with p < min_p * p_max                  (p = softmax after 5)
+      7. top_k               keep the k largest (exactly k)
+      8. top_p               keep the shortest most-likely-first prefix whose mass reaches top_p,
+                             the mass renormalised over what 6-7 kept
+      9. draw                inverse CDF with one uniform number from the row's generator
+
+NOTE (logprobs convention): logprobs are the log-softmax of the logits after
+1-4 (bias, min_tokens mask, penalties) and before 5-8 (temperature and the
+truncations). That is the distribution greedy decoding takes the argmax of,
+so a greedy token is always the top-1 logprob; it does not change with
+temperature / top-k / top-p / min-p, so logprobs of the same text are
+comparable across sampling settings and never ``-inf`` merely because a
+truncation dropped a token; and what the request itself asked to change
+(logit_bias, penalties, min_tokens) shows. Without those knobs it is exactly
+vLLM's default (``logprobs_mode="raw_logprobs"``, the model's distribution).
+A token masked by min_tokens has logprob ``-inf`` (the gateway clamps it to
+-9999.0 for JSON, as vLLM does).
+
+NOTE (reproducibility): a request with a seed gets its own ``torch.Generator``
+from the engine; its rows draw exactly one number from it per step, and
+every stage is row-wise, so its tokens do not depend on which other requests
+share the batch. Rows without a generator share one draw from torch's global
+RNG. The draw is an inverse-CDF lookup rather than ``torch.multinomial`` (one
+call per row, ~30x slower on CPU) or vLLM's exponential race (V random
+numbers per row).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from deepinfer.protocol import SamplingParams
+from deepinfer.engine.sequence import Sequence
+
+# Temperatures below this are greedy (dividing by them overflows float32), as in vLLM.
+MIN_TEMPERATURE = 1e-5
+# top-p looks for the nucleus among the top _NUCLEUS_START tokens, then 4x more, ... instead of sorting V.
+_NUCLEUS_START = 64
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """Pick one token per row of ``logits`` [B, V] float32.
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the ``top_logprobs`` most likely (token_id, logprob), best first."""
 
-    temperature == 0 -> argmax. Otherwise softmax(logits / temperature),
-    restricted to the smallest set of tokens whose mass reaches ``top_p``,
-    then one draw with the row's generator (seeded per request when it set a
-    seed, so its output is reproducible; None uses torch's global RNG).
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_wire(self) -> list:
+        """The ``TokenChunk.logprobs`` entry: ``[logprob, [[token_id, logprob], ...]]``."""
+        return [self.logprob, [[t, lp] for t, lp in self.top]]
+
+
+@dataclass
+class SampleResult:
+    """One token per row; ``logprobs[i]`` is None unless row i's request set ``logprobs``."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    generators: list[torch.Generator | None],
+    eos_token_ids: list[int] | tuple[int, ...] = (),
+) -> SampleResult:
+    """Pick the next token of each sequence from ``logits`` [B, V] (row i is ``seqs[i]``'s).
+
+    ``generators[i]``: the request's seeded generator, or None (global RNG).
+    ``eos_token_ids``: the model's EOS ids, masked for ``min_tokens``.
+    ``logits`` is not modified.
     """
-    out = logits.argmax(dim=-1).tolist()
-    for i, sp in enumerate(params):
-        if sp.temperature <= 0:
-            continue
-        probs = torch.softmax(logits[i] / sp.temperature, dim=-1)
-        if sp.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < sp.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+    assert logits.dim() == 2 and logits.shape[0] == len(seqs) == len(generators)
+    params = [s.sampling for s in seqs]
+    logits = apply_logits_processors(logits, seqs, eos_token_ids)
+    token_ids = logits.argmax(dim=-1)
+    rows = [i for i, sp in enumerate(params) if sp.temperature >= MIN_TEMPERATURE]
+    if rows:
+        token_ids[rows] = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+    tokens = token_ids.tolist()
+    return SampleResult(tokens, _logprobs(logits, tokens, params))
+
+
+# --- 1-4: logits processors (also what logprobs and greedy see) --------------------------
+
+
+def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
+    """Logit bias, the min_tokens mask and the penalties, on a copy (``logits`` itself if none apply)."""
+    params = [s.sampling for s in seqs]
+    needs = [bool(sp.logit_bias) or sp.min_tokens > 0 or _has_penalty(sp) for sp in params]
+    if not any(needs):
+        return logits.float()
+    logits = logits.to(torch.float32, copy=True)
+    vocab = logits.shape[1]
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling
+        ids = [t for t in sp.logit_bias if 0 <= t < vocab]
+        if ids:
+            logits[i, ids] += torch.tensor([sp.logit_bias[t] for t in ids], dtype=torch.float32)
+        if seq.num_output_tokens < sp.min_tokens:
+            banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
+            banned = [t for t in banned if 0 <= t < vocab]
+            if banned:
+                logits[i, banned] = float("-inf")
+    _apply_penalties(logits, seqs)
+    return logits
+
+
+def _has_penalty(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition, then frequency and presence penalties, in place, touching only tokens that occurred.
+
+    NOTE: gather -> change -> scatter over each row's token ids (padded with
+    the row's own first id) instead of [B, V] count tensors: a token listed
+    twice is written twice with the same value, and frequency is a
+    ``scatter_add`` of ``-frequency`` per occurrence, so nothing is O(V).
+    """
+    vocab = logits.shape[1]
+    rep = [(i, _in_vocab(s.token_ids, vocab)) for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
+    rep = [(i, toks) for i, toks in rep if toks]
+    if rep:
+        rows = [i for i, _ in rep]
+        ids = _padded([toks for _, toks in rep])
+        r = torch.tensor([seqs[i].sampling.repetition_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
+        sub = logits[rows]
+        vals = sub.gather(1, ids)
+        logits[rows] = sub.scatter_(1, ids, torch.where(vals > 0, vals / r, vals * r))
+    freq = [(i, _in_vocab(s.output_token_ids, vocab)) for i, s in enumerate(seqs)
+            if s.sampling.frequency_penalty != 0.0 or s.sampling.presence_penalty != 0.0]
+    freq = [(i, toks) for i, toks in freq if toks]
+    if freq:
+        rows = [i for i, _ in freq]
+        ids = _padded([toks for _, toks in freq])
+        real = torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor([[len(toks)] for _, toks in freq])
+        f = torch.tensor([seqs[i].sampling.frequency_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
+        p = torch.tensor([seqs[i].sampling.presence_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
+        sub = logits[rows]
+        sub.scatter_add_(1, ids, torch.where(real, -f, 0.0))
+        sub.scatter_(1, ids, sub.gather(1, ids) - p)
+        logits[rows] = sub
+
+
+def _in_vocab(token_ids: list[int], vocab: int) -> list[int]:
+    return token_ids if not token_ids or max(token_ids) < vocab else [t for t in token_ids if t < vocab]
+
+
+def _padded(token_lists: list[list[int]]) -> torch.Tensor:
+    """[len(token_lists), longest] long, each (non-empty) list padded with its own first id."""
+    width = max(len(t) for t in token_lists)
+    return torch.tensor([toks + [toks[0]] * (width - len(toks)) for toks in token_lists], dtype=torch.long)
+
+
+# --- 5-9: random sampling ---------------------------------------------------------------
+
+
+def _sample_rows(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Steps 5-9 for rows that sample (temperature > 0): one token id per row."""
+    temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32).unsqueeze(1)
+    x = logits / temperature
+    min_p = torch.tensor([sp.min_p for sp in params], dtype=torch.float32).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    vocab = x.shape[1]
+    top_k = torch.tensor([sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]).unsqueeze(1)
+    top_p = torch.tensor([sp.top_p for sp in params], dtype=torch.float32).unsqueeze(1)
+    truncated = ((top_k < vocab) | (top_p < 1.0)).squeeze(1)
+    if truncated.any():
+        x[truncated] = _top_k_top_p(x[truncated], top_k[truncated], top_p[truncated])
+    return _draw(x.softmax(dim=-1), generators)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """-inf outside each row's top-k tokens and, among those, its top-p nucleus.
+
+    NOTE: a full sort of [B, V] costs ~30 softmaxes on CPU. The kept set is a
+    most-likely-first prefix, so it is found in ``topk(K)`` once K covers it:
+    K starts at the largest top_k (or 64) and grows 4x until every row's
+    nucleus closes inside the window (almost always at once: the nucleus of
+    a real model's distribution is small).
+    """
+    vocab = x.shape[1]
+    limited = top_k < vocab
+    window = min(vocab, max(_NUCLEUS_START, int(top_k[limited].max()) if limited.any() else 0))
+    full_lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    while True:
+        vals, idx = x.topk(window, dim=-1)  # sorted, most likely first
+        keep = torch.arange(window).unsqueeze(0) < top_k
+        # Probabilities renormalised over the top-k kept (or the whole row without top-k).
+        kept_lse = torch.logsumexp(vals.masked_fill(~keep, float("-inf")), dim=-1, keepdim=True)
+        probs = (vals - torch.where(limited, kept_lse, full_lse)).exp().masked_fill(~keep, 0.0)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= mass_before < top_p  # the first token always stays (mass before it is 0)
+        closed = (top_k <= window) | (mass_before[:, -1:] + probs[:, -1:] >= top_p)
+        if window == vocab or bool(closed.all()):
+            break
+        window = min(vocab, window * 4)
+    out = torch.full_like(x, float("-inf"))
+    return out.scatter_(1, idx, vals.masked_fill(~keep, float("-inf")))
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row: the first whose cumulative probability exceeds u * total, u ~ U[0, 1).
+
+    Row i's u comes from ``generators[i]`` alone when it has one.
+    """
+    u = torch.empty(probs.shape[0], dtype=torch.float32)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded))
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, generator=g)[0]
+    cdf = probs.cumsum(dim=-1)
+    target = (u.unsqueeze(1) * cdf[:, -1:]).contiguous()
+    # right=True: the first index whose cdf is > target, so a zero-probability token
+    # (cdf equal to its predecessor's) can never be picked.
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    over = picked >= probs.shape[1]  # u * total rounded up to total: take the last possible token
+    if over.any():
+        last_nonzero = probs.shape[1] - 1 - (probs[over].flip(-1) > 0).int().argmax(dim=-1)
+        picked[over] = last_nonzero
+    return picked
+
+
+# --- logprobs ------------------------------------------------------------------------------
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], params: list) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, sp in enumerate(params) if sp.logprobs]
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows], dim=-1)
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    k = max(params[i].top_logprobs for i in rows)
+    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for r, i in enumerate(rows):
+        n = params[i].top_logprobs
+        out[i] = TokenLogprobs(tokens[i], chosen[r], list(zip(top_ids[r][:n], top_vals[r][:n])))
     return out

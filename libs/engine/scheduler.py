@@ -1,12 +1,26 @@
-"""Step scheduler: two queues (waiting, running) and a token budget per step.
+"""Step scheduler: one budget per step shared by decode tokens and prefill chunks.
 
-A step is either a prefill step (sequences from ``waiting``, whole prompts,
-up to ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` sequences)
-or a decode step (every running sequence feeds its last token). When a decode
-step cannot get a block for every sequence, the most recently admitted
-sequence is preempted: its blocks are freed and it goes back to the front of
-``waiting`` to be recomputed. The scheduler moves integers (token counts and
-block ids); it never touches tensors.
+Two queues, ``waiting`` and ``running`` (vLLM v1's unified scheduler):
+
+1. Running sequences first, in admission order. A decoding sequence feeds
+   its one new token; a sequence still prefilling gets the next chunk.
+2. Then waiting sequences (new or preempted), while fewer than
+   ``max_num_seqs`` run: the longest cached prefix is taken from the block
+   manager (those tokens are not recomputed) and the first chunk is cut.
+
+Budgets per step: ``max_num_batched_tokens`` new tokens (memory), and, for
+prefill chunks, ``step_time_budget_s`` of predicted compute from the
+``StepCostModel`` (TECHNIQUES §3): each chunk is the largest that still fits
+the time left, so a chunk at a long context is shorter than one at context 0.
+Decode tokens are always scheduled (decodes are never starved by prefills);
+if the step has no prefill work yet, a chunk of at least ``min_chunk`` tokens
+is taken so prefills always progress.
+
+When a sequence cannot get the blocks it needs, the most recently admitted
+running sequence is preempted: its blocks are freed and it returns to the
+front of ``waiting`` to be recomputed (its full blocks usually stay in the
+prefix cache, so the recompute is mostly hits). The scheduler moves integers
+(token counts and block ids); it never touches tensors.
 """
 
 from __future__ import annotations
@@ -14,17 +28,22 @@ from __future__ import annotations
 from collections import deque
 
 from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: list[int]):
+                 max_model_len: int, eos_token_ids: list[int], cost_model: StepCostModel | None = None,
+                 step_time_budget_s: float | None = None, min_chunk: int = 16):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        self.cost_model = cost_model or StepCostModel()
+        self.step_time_budget_s = step_time_budget_s
+        self.min_chunk = min_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -36,53 +55,99 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # --- schedule ---------------------------------------------------------------
+    def _chunk(self, seq: Sequence, tokens_left: int, time_left: float | None, has_prefill: bool) -> int:
+        """New tokens to feed for ``seq`` this step (0 = none fit)."""
+        n = min(seq.num_new_tokens, tokens_left)
+        if seq.num_new_tokens == 1 or time_left is None:
+            return n
+        fit = self.cost_model.max_chunk(seq.num_computed_tokens, time_left)
+        if not has_prefill:
+            fit = max(fit, self.min_chunk)
+        return min(n, fit)
+
     def schedule(self) -> list[Sequence]:
-        """Pick the sequences of the next step and allocate their blocks."""
+        """Pick the next step's sequences; sets ``seq.num_scheduled_tokens`` and allocates blocks."""
         bm = self.block_manager
+        tokens_left = self.max_num_batched_tokens
+        budget = self.step_time_budget_s
+        time_left = None if budget is None else budget - self.cost_model.a
+        has_prefill = False
         scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_new_tokens
-            # A prompt longer than the budget still runs, alone (chunking: issue #3).
-            if scheduled and n > budget:
-                break
-            if not bm.can_allocate(seq, len(seq)):
-                break
-            bm.allocate(seq, len(seq))
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            scheduled.append(seq)
-            budget -= n
-        if scheduled:
-            self.running.extend(scheduled)
-            return scheduled
-        while self.running:
-            seq = self.running.popleft()
-            while not bm.can_allocate(seq, len(seq)):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    seq = None
+
+        pending = deque(self.running)
+        self.running.clear()
+        while pending and tokens_left > 0:
+            seq = pending.popleft()
+            n = self._chunk(seq, tokens_left, time_left, has_prefill)
+            if n == 0:
+                self.running.append(seq)
+                continue
+            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = pending.pop() if pending else seq
+                self.preempt(victim)
+                if victim is seq:
                     break
-            if seq is not None:
-                bm.allocate(seq, len(seq))
-                scheduled.append(seq)
-        self.running.extend(scheduled)
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            bm.allocate(seq, seq.num_computed_tokens + n)
+            self._take(seq, n, scheduled)
+            tokens_left -= n
+            has_prefill |= n > 1
+            if time_left is not None:
+                time_left -= self.cost_model.piece_cost(n, seq.num_computed_tokens)
+        self.running.extend(pending)
+
+        while self.waiting and tokens_left > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = bm.find_cached_prefix(seq)
+            cached = len(hits) * bm.block_size
+            n = min(len(seq) - cached, tokens_left)
+            if len(seq) - cached > 1 and time_left is not None:
+                fit = self.cost_model.max_chunk(cached, time_left)
+                n = min(n, fit if has_prefill else max(fit, self.min_chunk))
+            if n <= 0 or not bm.can_allocate(seq, cached + n, hits):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, cached + n, hits)
+            bm.record_query(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._take(seq, n, scheduled)
+            tokens_left -= n
+            has_prefill |= n > 1
+            if time_left is not None:
+                time_left -= self.cost_model.piece_cost(n, cached)
         return scheduled
 
+    def _take(self, seq: Sequence, n: int, scheduled: list[Sequence]) -> None:
+        seq.num_scheduled_tokens = n
+        scheduled.append(seq)
+        if seq not in self.running:
+            self.running.append(seq)
+
     def preempt(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append each sampled token; return the sequences that finished (still holding blocks)."""
+    # --- update -------------------------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], token_ids: dict[int, int]) -> list[Sequence]:
+        """Advance every scheduled sequence by its fed tokens; append the sampled token
+        of those that completed their prompt (``token_ids`` maps index in ``seqs`` -> token).
+        Returns the sequences that finished (still holding blocks)."""
         finished = []
-        for seq, tok in zip(seqs, token_ids):
-            seq.num_computed_tokens = len(seq)
+        for i, seq in enumerate(seqs):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_computed_blocks(seq)
+            if i not in token_ids:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            tok = token_ids[i]
             seq.token_ids.append(tok)
             sp = seq.sampling
             if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:

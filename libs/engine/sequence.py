@@ -32,6 +32,14 @@ class Sequence:
     finish_reason: str | None = None
     # Prefill-only engines stop after the first sampled token and hand off.
     prefill_only: bool = False
+    # Mixed into the first block's hash: tenants with different salts never share KV.
+    cache_salt: bytes = b""
+    # Full-block prefix hashes of token_ids, extended lazily by the block manager.
+    block_hashes: list[str] = field(default_factory=list)
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
+    # Tokens fed in the step being run (set by the scheduler).
+    num_scheduled_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -46,5 +54,9 @@ class Sequence:
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens the next step must feed (all those without KV)."""
+        """Tokens still to feed before the next token can be sampled (all those without KV)."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_new_tokens > 1

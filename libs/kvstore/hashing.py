@@ -40,16 +40,29 @@ def root_hash(fingerprint: str) -> bytes:
     return hashlib.sha256(b"deepinfer-root" + fingerprint.encode()).digest()
 
 
+def hash_block(prev: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """One link of the chain: SHA-256(prev ‖ tokens as LE u32 ‖ extra), 32 bytes."""
+    h = hashlib.sha256(prev)
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+def extend_hashes(hashes: list[str], token_ids: list[int], block_size: int, fingerprint: str,
+                  extra: bytes = b"") -> list[str]:
+    """Append to ``hashes`` the hex hashes of the full blocks of ``token_ids`` not hashed yet.
+
+    ``hashes`` must be the chain of the first ``len(hashes)`` blocks of these
+    tokens (as this function built it); returns the same list.
+    """
+    prev = bytes.fromhex(hashes[-1]) if hashes else root_hash(fingerprint)
+    for i in range(len(hashes), len(token_ids) // block_size):
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], extra if i == 0 else b"")
+        hashes.append(prev.hex())
+    return hashes
+
+
 def block_hashes(token_ids: list[int], block_size: int, fingerprint: str, extra: bytes = b"") -> list[str]:
     """Hex hashes of the full blocks of ``token_ids`` (len // block_size of them)."""
-    out = []
-    prev = root_hash(fingerprint)
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        h = hashlib.sha256(prev)
-        h.update(struct.pack(f"<{block_size}I", *block))
-        if i == 0 and extra:
-            h.update(extra)
-        prev = h.digest()
-        out.append(prev.hex())
-    return out
+    return extend_hashes([], token_ids, block_size, fingerprint, extra)

@@ -1,0 +1,91 @@
+"""Step-time model for cutting prefill chunks by compute time (TECHNIQUES §3).
+
+A step that feeds ``n_r`` new tokens after ``c_r`` cached/computed tokens for
+each request r is predicted to take
+
+    t = a + b * sum_r n_r + d * sum_r n_r * (c_r + n_r / 2)      [seconds]
+
+``a``: fixed per-step cost (weights read once per step, Python overhead);
+``b``: per-token cost (the linear layers); ``d``: per token-pair cost
+(attention: each new token attends to about c + n/2 keys). The coefficients
+are fitted at start-up from a few timed forward passes and refitted online by
+least squares over the most recent steps (Mooncake's regression TTFT
+predictor does the same). ``max_chunk`` inverts the model: the largest n
+whose predicted cost fits the time left in the step.
+
+Parameters (defaults): window=256 recent steps, refit_every=16 steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+
+Piece = tuple[int, int]  # (new tokens n, context tokens before them c)
+
+
+def features(pieces: list[Piece]) -> list[float]:
+    return [1.0, float(sum(n for n, _ in pieces)), float(sum(n * (c + n / 2) for n, c in pieces))]
+
+
+class StepCostModel:
+    def __init__(self, a: float = 0.01, b: float = 1e-3, d: float = 1e-7, window: int = 256, refit_every: int = 16):
+        self.a, self.b, self.d = a, b, d
+        self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self._since_fit = 0
+        self.errors: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured)
+
+    def predict(self, pieces: list[Piece]) -> float:
+        """Predicted seconds of one step feeding ``pieces``."""
+        _, sn, sq = features(pieces)
+        return self.a + self.b * sn + self.d * sq
+
+    def piece_cost(self, n: int, c: int) -> float:
+        """Marginal seconds that one request's piece adds to a step."""
+        return self.b * n + self.d * n * (c + n / 2)
+
+    def max_chunk(self, c: int, seconds: float) -> int:
+        """Largest n with ``piece_cost(n, c) <= seconds`` (0 if none fits)."""
+        if seconds <= 0:
+            return 0
+        # (d/2) n^2 + (b + d c) n - seconds <= 0
+        qa, qb = self.d / 2, self.b + self.d * c
+        if qa <= 0:
+            return int(seconds / qb) if qb > 0 else 1 << 30
+        return max(0, int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa)))
+
+    def observe(self, pieces: list[Piece], seconds: float) -> None:
+        """Record a measured step; refit every ``refit_every`` observations."""
+        self.errors.append((self.predict(pieces), seconds))
+        self.samples.append((features(pieces), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self.samples) >= 3:
+            self.fit()
+
+    def fit(self) -> None:
+        """Least squares over the recent samples; coefficients kept >= 0.
+
+        With samples that do not span the features (e.g. only decode steps),
+        the unidentified coefficients keep their previous values.
+        """
+        self._since_fit = 0
+        x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
+        y = torch.tensor([t for _, t in self.samples], dtype=torch.float64)
+        cols = [0] + [j for j in (1, 2) if x[:, j].max() - x[:, j].min() > 0]
+        old = [self.a, self.b, self.d]
+        fixed = [j for j in (1, 2) if j not in cols]
+        y_adj = y - sum(old[j] * x[:, j] for j in fixed) if fixed else y
+        sol = torch.linalg.lstsq(x[:, cols], y_adj[:, None]).solution[:, 0].tolist()
+        new = list(old)
+        for j, v in zip(cols, sol):
+            new[j] = max(v, 0.0)
+        self.a, self.b, self.d = new
+
+    def mean_abs_error(self) -> float | None:
+        """Mean |predicted - measured| seconds over recent steps (None before any)."""
+        if not self.errors:
+            return None
+        return sum(abs(p - m) for p, m in self.errors) / len(self.errors)
