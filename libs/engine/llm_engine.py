@@ -69,6 +69,7 @@ class StepOutput:
     kv_blocks: torch.Tensor | None = None
     num_kv_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list | None = None  # [TokenLogprobs] per new token, when the request asked
 
 
 class LLMEngine:
@@ -150,8 +151,10 @@ class LLMEngine:
         self.cost_model.observe(pieces, self.last_step_s)
         # only sequences whose fed tokens reach their end sample a token
         done = [i for i, s in enumerate(seqs) if s.num_computed_tokens + s.num_scheduled_tokens == len(s)]
-        tokens = sample(logits[done], [seqs[i].sampling for i in done],
-                        [self.generators.get(seqs[i].request_id) for i in done])
+        result = sample(logits[done], [seqs[i] for i in done],
+                        [self.generators.get(seqs[i].request_id) for i in done], self.model_config.eos_token_ids)
+        tokens = result.token_ids
+        logprobs = dict(zip(done, result.logprobs))
         self.num_steps += 1
         self.num_computed_tokens_total += sum(n for n, _ in pieces)
         self.peak_batch_size = max(self.peak_batch_size, len(seqs))
@@ -162,7 +165,8 @@ class LLMEngine:
             if i not in sampled:
                 continue
             out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_cached_tokens,
+                             logprobs=[logprobs[i]] if logprobs[i] is not None else None)
             if id(seq) in finished:
                 if seq.finish_reason == "handoff":
                     out.num_kv_tokens = seq.num_computed_tokens
