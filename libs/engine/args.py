@@ -18,6 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", default=os.environ.get("DEEPINFER_DTYPE", "float32"),
                    choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--step-time-budget-ms", type=float,
+                   default=float(os.environ.get("DEEPINFER_STEP_TIME_BUDGET_MS", 250)),
+                   help="predicted compute per step that prefill chunks may fill, ms (default 250; 0 = no limit)")
+    p.add_argument("--no-calibrate", action="store_true", help="skip timing forward passes at start-up")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching in the engine")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
                    help="storage tier root directory (shared across workers)")
@@ -33,4 +38,7 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         dtype=args.dtype,
         prefill_only=prefill_only,
         num_threads=args.threads,
+        enable_prefix_caching=not args.no_prefix_caching,
+        step_time_budget_s=args.step_time_budget_ms / 1000 if args.step_time_budget_ms > 0 else None,
+        calibrate=not args.no_calibrate,
     )

@@ -71,6 +71,12 @@ class StepOutput:
     num_cached_tokens: int = 0
     logprobs: list | None = None  # [TokenLogprobs] per new token, when the request asked
 
+    def wire_logprobs(self) -> list | None:
+        """``TokenChunk.logprobs`` form: per token ``[logprob, [[token_id, logprob], ...]]``."""
+        if self.logprobs is None:
+            return None
+        return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in self.logprobs]
+
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):

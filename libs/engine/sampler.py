@@ -1,6 +1,6 @@
 """Token sampling: one token per row of logits, each row by its own request's ``SamplingParams``.
 
-Every stage runs only on the rows that set its knob, in vLLM v1's order::
+The stages, in vLLM v1's order (a stage no row of the batch uses is skipped)::
 
     logits [B, V] float32, from the model
       1. logit_bias          l[t] += bias[t]                                     (OpenAI)
@@ -31,8 +31,8 @@ A token masked by min_tokens has logprob ``-inf`` (the gateway clamps it to
 NOTE (reproducibility): a request with a seed gets its own ``torch.Generator``
 from the engine; its rows draw exactly one number from it per step, and
 every stage is row-wise, so its tokens do not depend on which other requests
-share the batch. Rows without a generator share one draw from torch's global
-RNG. The draw is an inverse-CDF lookup rather than ``torch.multinomial`` (one
+share the batch (up to the order of exactly tied logits at a top-k / top-p
+edge). Rows without a generator share one draw from torch's global RNG. The draw is an inverse-CDF lookup rather than ``torch.multinomial`` (one
 call per row, ~30x slower on CPU) or vLLM's exponential race (V random
 numbers per row).
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.engine.sequence import Sequence
@@ -89,7 +90,9 @@ def sample(
     logits = apply_logits_processors(logits, seqs, eos_token_ids)
     token_ids = logits.argmax(dim=-1)
     rows = [i for i, sp in enumerate(params) if sp.temperature >= MIN_TEMPERATURE]
-    if rows:
+    if len(rows) == len(seqs):
+        token_ids = _sample_rows(logits, params, generators)
+    elif rows:
         token_ids[rows] = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
     tokens = token_ids.tolist()
     return SampleResult(tokens, _logprobs(logits, tokens, params))
@@ -127,44 +130,48 @@ def _has_penalty(sp) -> bool:
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Repetition, then frequency and presence penalties, in place, touching only tokens that occurred.
 
-    NOTE: gather -> change -> scatter over each row's token ids (padded with
-    the row's own first id) instead of [B, V] count tensors: a token listed
-    twice is written twice with the same value, and frequency is a
-    ``scatter_add`` of ``-frequency`` per occurrence, so nothing is O(V).
+    NOTE: each row's token ids are gathered, changed and scattered back,
+    instead of building [B, V] count tensors (O(tokens), not O(V)). A token
+    listed twice is written twice with the same value; frequency is a
+    ``scatter_add`` of ``-frequency`` per occurrence. Rows without the knob
+    run with a neutral value (1 or 0), which leaves their logits bit-identical.
     """
+    params = [s.sampling for s in seqs]
     vocab = logits.shape[1]
-    rep = [(i, _in_vocab(s.token_ids, vocab)) for i, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
-    rep = [(i, toks) for i, toks in rep if toks]
-    if rep:
-        rows = [i for i, _ in rep]
-        ids = _padded([toks for _, toks in rep])
-        r = torch.tensor([seqs[i].sampling.repetition_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
-        sub = logits[rows]
-        vals = sub.gather(1, ids)
-        logits[rows] = sub.scatter_(1, ids, torch.where(vals > 0, vals / r, vals * r))
-    freq = [(i, _in_vocab(s.output_token_ids, vocab)) for i, s in enumerate(seqs)
-            if s.sampling.frequency_penalty != 0.0 or s.sampling.presence_penalty != 0.0]
-    freq = [(i, toks) for i, toks in freq if toks]
-    if freq:
-        rows = [i for i, _ in freq]
-        ids = _padded([toks for _, toks in freq])
-        real = torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor([[len(toks)] for _, toks in freq])
-        f = torch.tensor([seqs[i].sampling.frequency_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
-        p = torch.tensor([seqs[i].sampling.presence_penalty for i in rows], dtype=torch.float32).unsqueeze(1)
-        sub = logits[rows]
-        sub.scatter_add_(1, ids, torch.where(real, -f, 0.0))
-        sub.scatter_(1, ids, sub.gather(1, ids) - p)
-        logits[rows] = sub
+    rep = torch.tensor([sp.repetition_penalty for sp in params], dtype=torch.float32).unsqueeze(1)
+    if (rep != 1.0).any():
+        ids, real = _token_index([s.token_ids if s.sampling.repetition_penalty != 1.0 else [] for s in seqs], vocab)
+        vals = logits.gather(1, ids)
+        penalised = torch.where(vals > 0, vals / rep, vals * rep)
+        logits.scatter_(1, ids, torch.where(real.any(1, keepdim=True), penalised, vals))
+    freq = torch.tensor([sp.frequency_penalty for sp in params], dtype=torch.float32).unsqueeze(1)
+    pres = torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32).unsqueeze(1)
+    if (freq != 0).any() or (pres != 0).any():
+        wanted = [sp.frequency_penalty != 0 or sp.presence_penalty != 0 for sp in params]
+        ids, real = _token_index([s.output_token_ids if w else [] for s, w in zip(seqs, wanted)], vocab)
+        logits.scatter_add_(1, ids, torch.where(real, -freq, 0.0))
+        vals = logits.gather(1, ids)
+        logits.scatter_(1, ids, torch.where(real.any(1, keepdim=True), vals - pres, vals))
 
 
-def _in_vocab(token_ids: list[int], vocab: int) -> list[int]:
-    return token_ids if not token_ids or max(token_ids) < vocab else [t for t in token_ids if t < vocab]
+def _token_index(token_lists: list[list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids as a [rows, longest] long tensor and a mask of the real entries.
 
-
-def _padded(token_lists: list[list[int]]) -> torch.Tensor:
-    """[len(token_lists), longest] long, each (non-empty) list padded with its own first id."""
-    width = max(len(t) for t in token_lists)
-    return torch.tensor([toks + [toks[0]] * (width - len(toks)) for toks in token_lists], dtype=torch.long)
+    Padding (and any id outside the vocabulary) points at the row's first real
+    id, so writing that token's new value there is harmless; a row with no
+    real id points at token 0, and callers write back its unchanged value.
+    """
+    width = max(1, max(len(t) for t in token_lists))
+    ids = np.zeros((len(token_lists), width), dtype=np.int64)
+    real = np.zeros((len(token_lists), width), dtype=bool)
+    for r, toks in enumerate(token_lists):
+        ids[r, : len(toks)] = toks
+        real[r, : len(toks)] = True
+    real &= (ids >= 0) & (ids < vocab)
+    rows = np.arange(len(token_lists))
+    first = np.where(real.any(axis=1), ids[rows, real.argmax(axis=1)], 0)
+    ids = np.where(real, ids, first[:, None])
+    return torch.from_numpy(ids), torch.from_numpy(real)
 
 
 # --- 5-9: random sampling ---------------------------------------------------------------
@@ -184,7 +191,7 @@ def _sample_rows(logits: torch.Tensor, params: list, generators: list[torch.Gene
     truncated = ((top_k < vocab) | (top_p < 1.0)).squeeze(1)
     if truncated.any():
         x[truncated] = _top_k_top_p(x[truncated], top_k[truncated], top_p[truncated])
-    return _draw(x.softmax(dim=-1), generators)
+    return _draw((x - x.amax(dim=-1, keepdim=True)).exp_(), generators)
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -217,8 +224,9 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row: the first whose cumulative probability exceeds u * total, u ~ U[0, 1).
+    """One token per row: the first whose cumulative weight exceeds u * total, u ~ U[0, 1).
 
+    ``probs`` need not be normalised (non-negative, some positive in each row).
     Row i's u comes from ``generators[i]`` alone when it has one.
     """
     u = torch.empty(probs.shape[0], dtype=torch.float32)

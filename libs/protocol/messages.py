@@ -34,12 +34,23 @@ def message(cls):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens.
+    """How to pick tokens (``deepinfer.engine.sampler`` applies them in this order).
 
-    temperature: 0 means greedy (argmax). top_p: nucleus mass in (0, 1].
+    logit_bias: token id -> value added to its logit, before everything else.
+    min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this many
+    output tokens. repetition_penalty: HF/CTRL, over prompt + output tokens
+    (1 = off). presence_penalty / frequency_penalty: OpenAI, over output tokens
+    (0 = off). temperature: 0 means greedy (argmax). min_p: drop tokens whose
+    probability is below ``min_p`` times the top one's (0 = off). top_k: keep
+    the k most likely tokens (0 or -1 = off). top_p: nucleus mass in (0, 1].
     max_tokens: output tokens to generate, >= 1. seed: per-request RNG seed
     (None = nondeterministic). stop_token_ids: extra ids that end generation
     besides the model's EOS ids. ignore_eos: keep going past EOS (benchmarks).
+    logprobs: return the sampled token's logprob; top_logprobs: and the
+    ``top_logprobs`` most likely tokens' (0-20).
+
+    On the wire ``logit_bias`` is a list of ``[token_id, bias]`` pairs
+    (msgpack map keys must be strings); ``from_dict`` turns it back into a dict.
     """
 
     temperature: float = 1.0
@@ -48,13 +59,32 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
         if d is None:
             return cls()
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if "logit_bias" in kwargs:
+            bias = kwargs["logit_bias"] or {}
+            pairs = bias.items() if isinstance(bias, dict) else bias
+            kwargs["logit_bias"] = {int(t): float(b) for t, b in pairs}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        return d
 
 
 @message
@@ -140,6 +170,10 @@ class TokenChunk:
     (max_tokens or max model length), "abort", or "error" (``error`` says why).
     role / worker_id: who produced the chunk, so the gateway knows whom to
     watch for liveness and whom to abort.
+    logprobs: only when the request asked (``SamplingParams.logprobs``): one
+    entry per token of ``token_ids``, ``[logprob, [[token_id, logprob], ...]]``
+    (the sampled token's logprob, then the ``top_logprobs`` most likely tokens,
+    best first). See ``deepinfer.engine.sampler`` for which distribution.
     """
 
     request_id: str
@@ -150,6 +184,7 @@ class TokenChunk:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[list] | None = None
 
 
 @message
@@ -184,6 +219,8 @@ class ErrorReply:
 
 def _to_dict(msg) -> dict[str, Any]:
     d = dataclasses.asdict(msg)
+    for name in getattr(type(msg), "NESTED", {}):
+        d[name] = getattr(msg, name).to_dict()
     d["v"] = SCHEMA_VERSION
     d["t"] = type(msg).__name__
     return d

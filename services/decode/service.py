@@ -102,7 +102,7 @@ class DecodeService(Service):
                 del self.requests[out.request_id]
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
-                               num_prompt_tokens=out.num_prompt_tokens)
+                               num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs())
             if out.finish_reason == "error":
                 chunk.error = "decode engine failed"
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))

@@ -97,7 +97,8 @@ class PrefillService(Service):
     # --- helpers ---------------------------------------------------------------
     async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
-                           worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens)
+                           worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
+                           num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs())
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
             await self.mesh.publish(req.stream_subject, chunk)
