@@ -140,3 +140,16 @@ def test_chunked_prefill_matches_transformers(model_dir, hf, prompts, cfg):
     assert engine.num_steps > GREEDY.max_tokens  # prompts really were split over several steps
     for i, p in enumerate(prompts):
         assert out[str(i)] == hf_greedy(hf, p, GREEDY.max_tokens), f"prompt {i}"
+
+
+def test_long_prompt_is_chunked_and_does_not_starve_a_short_one(model_dir, prompts):
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=128 << 20, step_time_budget_s=0.1,
+                                               max_num_batched_tokens=512))
+    engine.add_request("long", list(range(1000, 2500)), SamplingParams(temperature=0, max_tokens=2))
+    engine.step()
+    engine.add_request("short", prompts[0], SamplingParams(temperature=0, max_tokens=2))
+    firsts = []
+    while engine.has_unfinished() and "short" not in firsts:
+        firsts += [o.request_id for o in engine.step() if o.new_token_ids]
+    assert firsts[0] == "short"  # the short prompt's first token came while the long one was still prefilling
+    assert engine.scheduler.running[0].request_id == "long" and engine.scheduler.running[0].is_prefilling

@@ -14,7 +14,9 @@ prefill chunks, ``step_time_budget_s`` of predicted compute from the
 the time left, so a chunk at a long context is shorter than one at context 0.
 Decode tokens are always scheduled (decodes are never starved by prefills);
 if the step has no prefill work yet, a chunk of at least ``min_chunk`` tokens
-is taken so prefills always progress.
+is taken so prefills always progress. While requests wait, a running prefill
+takes at most half of what is left, so one long prompt cannot starve the
+queue (a short prompt behind it still gets its first token soon).
 
 When a sequence cannot get the blocks it needs, the most recently admitted
 running sequence is preempted: its blocks are freed and it returns to the
@@ -57,11 +59,16 @@ class Scheduler:
 
     # --- schedule ---------------------------------------------------------------
     def _chunk(self, seq: Sequence, tokens_left: int, time_left: float | None, has_prefill: bool) -> int:
-        """New tokens to feed for ``seq`` this step (0 = none fit)."""
-        n = min(seq.num_new_tokens, tokens_left)
+        """New tokens to feed for ``seq`` this step (0 = none fit).
+
+        NOTE: while requests wait, a prefill already running takes at most half
+        of the time (and tokens) left, so a long prompt cannot starve new ones.
+        """
+        share = 2 if self.waiting else 1
+        n = min(seq.num_new_tokens, max(1, tokens_left // share))
         if seq.num_new_tokens == 1 or time_left is None:
             return n
-        fit = self.cost_model.max_chunk(seq.num_computed_tokens, time_left)
+        fit = self.cost_model.max_chunk(seq.num_computed_tokens, time_left / share)
         if not has_prefill:
             fit = max(fit, self.min_chunk)
         return min(n, fit)

@@ -19,6 +19,10 @@ TOKENIZER_ENCODE_CHAT = f"{PREFIX}.tokenizer.encode_chat"
 PREFILL_SUBMIT = f"{PREFIX}.prefill.submit"
 DECODE_SUBMIT = f"{PREFIX}.decode.submit"
 
+# Broadcast (every prefill worker): abort a request whose submit reply was lost or late,
+# so whichever worker queued it drops it.
+PREFILL_ABORT_ANY = f"{PREFIX}.prefill.abort"
+
 # Heartbeats / load reports of every worker: deepinfer.load.<role>.<worker_id>
 LOAD_ALL = f"{PREFIX}.load.>"
 

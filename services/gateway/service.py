@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--port", type=int, default=int(env("DEEPINFER_GATEWAY_PORT", "8000")))
     p.add_argument("--worker-id", default=env("DEEPINFER_WORKER_ID", "gateway"))
     p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"))
-    p.add_argument("--request-timeout", type=float, default=60.0, help="seconds without output before a request fails")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without output before a request fails")
     p.add_argument("--handoff-timeout", type=float, default=15.0, help="seconds prefill->decode may take")
     a = p.parse_args(argv)
     return GatewayConfig(

@@ -131,6 +131,8 @@ class RequestStream:
             raise StreamError("no prefill worker is running")
         except RequestTimeout:
             await self._fail()
+            # NOTE: the submit may still sit in some worker's queue; make whoever has it drop it.
+            await self.mesh.publish(subjects.PREFILL_ABORT_ANY, AbortRequest(self.request_id))
             raise StreamError(f"no prefill worker answered within {self.timeouts.submit_s:.0f}s", code="timeout")
         except RemoteError as e:
             await self._fail()

@@ -13,13 +13,15 @@ Lifecycle of a request in this service:
      under an ephemeral key.
   5. ``DecodeRequest`` to ``deepinfer.decode.submit`` (any decode worker);
      if no decode worker takes it, the request ends with an error chunk.
-An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` drops a request
-still queued or running here.
+An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` (or the broadcast
+``deepinfer.prefill.abort``, sent when a submit's reply was lost) drops a request
+still queued or running here; an id aborted before its submit arrives is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.engine.args import add_engine_args, engine_config
@@ -38,6 +40,7 @@ from deepinfer.telemetry import get_logger
 log = get_logger(__name__)
 
 HANDOFF_TIMEOUT_S = 10.0
+ABORTED_MEMORY = 4096  # request ids remembered as aborted
 
 
 class PrefillService(Service):
@@ -49,6 +52,7 @@ class PrefillService(Service):
         self.fingerprint = model_fingerprint(model_dir, engine_cfg.dtype, engine_cfg.block_size)
         self.store = BlockStore(kv_root, self.fingerprint)
         self.requests: dict[str, PrefillRequest] = {}
+        self.aborted: OrderedDict[str, None] = OrderedDict()  # ids aborted before they arrived
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
         self.async_engine: AsyncEngine | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -60,6 +64,7 @@ class PrefillService(Service):
                                (subjects.prefill_submit(self.worker_id), "")):
             await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="prefill.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="prefill.abort")
+        await self.mesh.subscribe(subjects.PREFILL_ABORT_ANY, self.on_abort, span_name="prefill.abort")
 
     def load_report(self) -> LoadReport:
         e = self.engine
@@ -72,6 +77,8 @@ class PrefillService(Service):
     async def on_submit(self, req: PrefillRequest) -> SubmitReply:
         if self.draining:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
+        if req.request_id in self.aborted:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         try:
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
@@ -84,6 +91,10 @@ class PrefillService(Service):
     async def on_abort(self, msg: AbortRequest) -> None:
         if self.requests.pop(msg.request_id, None) is not None:
             self.async_engine.abort(msg.request_id)
+        else:  # not here (yet): refuse it if its submit arrives late
+            self.aborted[msg.request_id] = None
+            while len(self.aborted) > ABORTED_MEMORY:
+                self.aborted.popitem(last=False)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
