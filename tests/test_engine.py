@@ -153,3 +153,19 @@ def test_long_prompt_is_chunked_and_does_not_starve_a_short_one(model_dir, promp
         firsts += [o.request_id for o in engine.step() if o.new_token_ids]
     assert firsts[0] == "short"  # the short prompt's first token came while the long one was still prefilling
     assert engine.scheduler.running[0].request_id == "long" and engine.scheduler.running[0].is_prefilling
+
+
+def test_seeded_sampling_is_identical_across_the_prefill_decode_handoff(model_dir, prompts):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=7, ignore_eos=True)
+    whole = run(LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20)), [("a", prompts[1], sp)])["a"]
+    pre = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, prefill_only=True))
+    pre.add_request("a", prompts[1], sp)
+    (first,) = pre.step()
+    dec = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20))
+    dec.add_request("a", prompts[1], sp, output_token_ids=first.new_token_ids, kv_blocks=first.kv_blocks,
+                    num_kv_tokens=first.num_kv_tokens)
+    rest = []
+    while dec.has_unfinished():
+        for o in dec.step():
+            rest += o.new_token_ids
+    assert first.new_token_ids + rest == whole

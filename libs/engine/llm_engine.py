@@ -122,7 +122,13 @@ class LLMEngine:
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode())
         if sampling.seed is not None:
-            self.generators[request_id] = torch.Generator().manual_seed(sampling.seed)
+            g = torch.Generator().manual_seed(sampling.seed)
+            if sampling.temperature > 0:
+                # NOTE: the sampler draws one number per token; replay the draws of the tokens
+                # already generated elsewhere (prefill) so a disaggregated run equals a single one.
+                for _ in output_token_ids:
+                    torch.rand(1, generator=g)
+            self.generators[request_id] = g
         if kv_blocks is not None:
             if num_kv_tokens != len(tokens) - 1:
                 raise RequestError(f"KV covers {num_kv_tokens} tokens, expected {len(tokens) - 1}")

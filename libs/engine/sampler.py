@@ -32,9 +32,9 @@ NOTE (reproducibility): a request with a seed gets its own ``torch.Generator``
 from the engine; its rows draw exactly one number from it per step, and
 every stage is row-wise, so its tokens do not depend on which other requests
 share the batch (up to the order of exactly tied logits at a top-k / top-p
-edge). Rows without a generator share one draw from torch's global RNG. The draw is an inverse-CDF lookup rather than ``torch.multinomial`` (one
-call per row, ~30x slower on CPU) or vLLM's exponential race (V random
-numbers per row).
+edge). Rows without a generator share one draw from torch's global RNG. The
+draw is an inverse-CDF lookup rather than ``torch.multinomial`` (one call per
+row, ~30x slower on CPU) or vLLM's exponential race (V random numbers per row).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
 (modules in brackets):
 
  1. PARSE        [chat.parse_request, chat.validate_request] The JSON body
-                 becomes a ``ChatCompletionRequest``; model, n, max_tokens,
-                 temperature, top_p are checked. Bad -> 400 / 404 (OpenAI
-                 error shape); good -> 2 with a fresh ``request_id``.
+                 becomes a ``ChatCompletionRequest``; model, n, max_tokens
+                 and every sampling knob (temperature, top_p, top_k, min_p,
+                 penalties, logit_bias, min_tokens, logprobs) are checked.
+                 Bad -> 400 / 404 (OpenAI error shape); good -> 2 with a
+                 fresh ``request_id``.
  2. ADMIT        [chat.check_workers] The worker registry (fed by LoadReport
                  heartbeats on ``deepinfer.load.>``) must know a live
                  tokenizer, prefill and decode worker, else 503.
@@ -14,6 +16,10 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  EncodeChatReply -> 4; ErrorReply "bad_request" -> 400; no
                  tokenizer -> 503. The prompt length fixes max_tokens
                  (default: max model length - prompt) or fails with 400.
+                 n > 1: steps 4-8 run once per choice, concurrently (own
+                 request id ``<request_id>-<i>``, seed + i); every choice
+                 must reach 6 before the response starts, and any choice
+                 failing fails the request and aborts the others.
  4. SUBMIT       [stream.RequestStream.open] Subscribe to
                  ``deepinfer.stream.<request_id>`` first, then send the
                  ``PrefillRequest`` on PREFILL_SUBMIT. SubmitReply(accepted)
@@ -31,7 +37,9 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  decode worker named by the chunks. Every chunk goes through
                  the incremental detokenizer (UTF-8 safe) and the stop-string
                  matcher (hold-back) and becomes an SSE delta or part of the
-                 final text. A final chunk or a matched stop string -> 8.
+                 final text; its logprobs, if asked, become OpenAI
+                 ``logprobs.content`` entries [logprobs]. A final chunk or
+                 a matched stop string -> 8.
  8. FINISH       [chat._sse, chat._collect] Final SSE chunk (+ usage chunk)
                  and ``data: [DONE]``, or the ChatCompletion JSON. If the
                  worker is still running (stop string) it gets an
@@ -46,7 +54,8 @@ closes. The client disconnecting -> ``AbortRequest`` to
 to the decode worker once it shows up).
 
 Modules: app (routes, lifespan, root span), chat (the handler), openai_schema
-(wire shapes), errors (OpenAI error bodies), stream (one request's token
-stream and liveness), registry (worker liveness), output / detokenizer / stop
-(tokens -> text), config (settings, model), service (entry point).
+(wire shapes), logprobs (token logprobs -> OpenAI entries), errors (OpenAI
+error bodies), stream (one request's token stream and liveness), registry
+(worker liveness), output / detokenizer / stop (tokens -> text), config
+(settings, model), service (entry point).
 """

@@ -4,14 +4,25 @@ Everything that can be answered with an HTTP error (validation, tokenizer,
 submit, prefill failure before the first token) happens before the response
 starts, so SSE bytes are only sent once the first token is in hand. After
 that, a failure is an SSE ``data: {"error": {...}}`` event and the stream ends.
+
+``n`` > 1 fans out: n independent requests through the mesh (ids
+``<id>-0`` .. ``<id>-<n-1>``, seeds ``seed + i`` when a seed is set), each
+with its own ``RequestStream`` and ``OutputProcessor``; choice i is request
+i. Every one must have its first token before the response starts; their
+chunks are then merged as they arrive (a stream chunk carries its choice
+``index``). Usage counts the prompt once and sums the completions. If any
+choice fails, the whole request fails and the others are aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import math
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import structlog
@@ -20,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import ValidationError
 
+from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.config import GatewayConfig, ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, internal, unavailable, validation_error
@@ -33,6 +45,8 @@ from deepinfer.telemetry import get_logger
 log = get_logger(__name__)
 
 REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
 _FIELD_NAMES = oai.field_names()
 
 
@@ -44,6 +58,27 @@ class Gateway:
     model: ModelInfo
     registry: WorkerRegistry
     mesh: MeshClient | None = None
+    token_bytes: lp.TokenBytes | None = None
+
+    def __post_init__(self):
+        if self.token_bytes is None:
+            self.token_bytes = lp.TokenBytes(self.model.tokenizer)
+
+
+@dataclass
+class _Choice:
+    """One of the ``n`` requests behind a completion: its stream, text and logprobs so far."""
+
+    index: int
+    stream: RequestStream
+    proc: OutputProcessor
+    first: TokenChunk | None = None
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.proc.finish_reason is not None
 
 
 @dataclass
@@ -54,7 +89,8 @@ class _Reply:
     model: str
     req: oai.ChatCompletionRequest
     prompt_token_ids: list[int]
-    proc: OutputProcessor
+    choices: list[_Choice]
+    token_bytes: lp.TokenBytes
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
 
@@ -62,8 +98,21 @@ class _Reply:
     def id(self) -> str:
         return f"chatcmpl-{self.request_id}"
 
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.proc.token_ids) for c in self.choices)
+
     def usage(self) -> dict:
-        return oai.usage(len(self.prompt_token_ids), len(self.proc.token_ids), self.proc.num_cached_tokens)
+        # NOTE: the prompt is counted once however many choices; its cached part is
+        # what every choice found cached (each choice ran its own prefill).
+        cached = min(c.proc.num_cached_tokens for c in self.choices)
+        return oai.usage(len(self.prompt_token_ids), self.completion_tokens, cached)
+
+    def logprobs(self, chunk: TokenChunk) -> list[dict] | None:
+        """The chunk's logprobs content entries, or None when the request did not ask."""
+        if not self.req.logprobs:
+            return None
+        return lp.content(self.token_bytes, chunk.token_ids, chunk.logprobs)
 
 
 async def create_chat_completion(request: Request, gw: Gateway) -> Response:
@@ -76,30 +125,26 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     prompt_ids = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
 
-    stream = RequestStream(gw.mesh, gw.registry, request_id, gw.config.timeouts)
+    n = req.n or 1
+    choices = [
+        _Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
+                                 gw.config.timeouts),
+                OutputProcessor(gw.model.tokenizer, req.stop_strings))
+        for i in range(n)
+    ]
     try:
-        await stream.open(prompt_ids, sampling)
-        first = await stream.next_chunk(request.is_disconnected)
-        _raise_if_failed(first)
-    except StreamError as e:
-        raise _http_error(e) from None
+        await _open(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening any more
-    except OpenAIError:
-        await stream.abort()
-        raise
-    except BaseException:
-        spawn(stream.abort())
-        raise
 
-    proc = OutputProcessor(gw.model.tokenizer, req.stop_strings)
-    reply = _Reply(request_id, gw.model.served_name, req, prompt_ids, proc)
-    log.info("request_started", prompt_tokens=len(prompt_ids), stream=bool(req.stream), worker=stream.worker_id)
+    reply = _Reply(request_id, gw.model.served_name, req, prompt_ids, choices, gw.token_bytes)
+    log.info("request_started", prompt_tokens=len(prompt_ids), stream=bool(req.stream), n=n,
+             worker=choices[0].stream.worker_id)
     if req.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
-        return StreamingResponse(_sse(reply, stream, first), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
     try:
-        body = await _collect(reply, stream, first, request)
+        body = await _collect(reply, request)
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(body, headers={"X-Request-Id": request_id})
@@ -120,10 +165,14 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
         raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
-    if req.n is not None and req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
-    if req.logprobs:
-        raise bad_request("logprobs are not supported yet", param="logprobs")
+    if req.n is not None and not (1 <= req.n <= MAX_N):
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if req.top_logprobs is not None:
+        if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
+                              param="top_logprobs")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     for name in ("max_completion_tokens", "max_tokens"):
         value = getattr(req, name)
         if value is not None and value <= 0:
@@ -136,6 +185,37 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
         raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
     if any(not (0 <= t < 2**31) for t in req.stop_token_ids or []):
         raise bad_request("stop_token_ids must be token ids (0 <= id < 2**31)", param="stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
+            raise bad_request(f"{name} must be between -2 and 2, got {value}", param=name)
+    if req.repetition_penalty is not None and not (math.isfinite(req.repetition_penalty)
+                                                   and req.repetition_penalty > 0):
+        raise bad_request(f"repetition_penalty must be > 0, got {req.repetition_penalty}", param="repetition_penalty")
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (off) or at least 1, got {req.top_k}", param="top_k")
+    if req.min_p is not None and not (0 <= req.min_p <= 1):
+        raise bad_request(f"min_p must be in [0, 1], got {req.min_p}", param="min_p")
+    if req.min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
+    logit_bias(req, model.vocab_size)
+
+
+def logit_bias(req: oai.ChatCompletionRequest, vocab_size: int | None) -> dict[int, float]:
+    """``logit_bias`` with int keys; 400 for a key that is not a token id or a value outside [-100, 100]."""
+    out: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or (vocab_size is not None and token >= vocab_size) or str(token) != key.strip():
+            limit = f" (0 <= id < {vocab_size})" if vocab_size is not None else ""
+            raise bad_request(f"logit_bias keys must be token ids{limit}, got {key!r}", param="logit_bias")
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise bad_request(f"logit_bias values must be between -100 and 100, got {value}", param="logit_bias")
+        out[token] = float(value)
+    return out
 
 
 def check_workers(registry: WorkerRegistry) -> None:
@@ -167,14 +247,35 @@ def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_
             param=name,
             code="context_length_exceeded",
         )
+    max_tokens = room if requested is None else requested
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                          param="min_tokens")
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        max_tokens=room if requested is None else requested,
+        max_tokens=max_tokens,
         seed=req.seed,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias(req, None),
+        min_tokens=req.min_tokens,
+        logprobs=bool(req.logprobs),
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
     )
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: its own seed (``seed + index``, wrapped to int64) when seeded."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    seed = (sampling.seed + index + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(sampling, seed=seed)
 
 
 # --- mesh calls ----------------------------------------------------------------
@@ -200,21 +301,102 @@ async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest)
     return list(reply.token_ids)
 
 
+# --- the choices' streams -------------------------------------------------------------
+
+
+async def _open(choices: list[_Choice], prompt_ids: list[int], sampling: SamplingParams, is_disconnected) -> None:
+    """Submit every choice and wait for every first token; on any failure abort them all and raise.
+
+    NOTE: submits are not cancelled midway (a worker may have accepted one
+    whose reply we would never read, and it could not be aborted); each is
+    bounded by the submit timeout. Waits for a first token are cancelled.
+    """
+    try:
+        submits = await asyncio.gather(
+            *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index)) for c in choices),
+            return_exceptions=True,
+        )
+    except BaseException:  # cancelled
+        for c in choices:
+            spawn(c.stream.abort())
+        raise
+    failed = next((e for e in submits if isinstance(e, BaseException)), None)
+    if failed is not None:
+        await _abort_all(choices)
+        if isinstance(failed, StreamError):
+            raise _http_error(failed) from None
+        raise failed
+
+    async def first(c: _Choice) -> None:
+        c.first = await c.stream.next_chunk(is_disconnected)
+        _raise_if_failed(c.first)
+
+    tasks = [asyncio.ensure_future(first(c)) for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, (OpenAIError, StreamError, ClientGone)):
+            await _abort_all(choices)
+        else:  # cancelled: an await here could be cancelled too
+            for c in choices:
+                spawn(c.stream.abort())
+        if isinstance(e, StreamError):
+            raise _http_error(e) from None
+        raise
+
+
+async def _abort_all(choices: list[_Choice]) -> None:
+    await asyncio.gather(*(c.stream.abort() for c in choices), return_exceptions=True)
+
+
+async def _chunks(reply: _Reply, is_disconnected=None):
+    """Yield ``(choice, chunk)`` from every choice as chunks arrive, first chunks first, until all are done.
+
+    The consumer processes each chunk before the next is read (so ``choice.done``
+    is current). A ``StreamError`` or ``ClientGone`` of any choice propagates.
+    """
+    for c in reply.choices:
+        yield c, c.first
+    pending: dict[asyncio.Future, _Choice] = {}
+
+    def arm(c: _Choice) -> None:
+        task = asyncio.ensure_future(c.stream.next_chunk(is_disconnected))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception never retrieved"
+        pending[task] = c
+
+    for c in reply.choices:
+        if not c.done:
+            arm(c)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                c = pending.pop(task)
+                yield c, task.result()
+                if not c.done:
+                    arm(c)
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 # --- responses -------------------------------------------------------------------
 
 
-async def _collect(reply: _Reply, stream: RequestStream, chunk: TokenChunk, request: Request) -> dict:
-    parts: list[str] = []
+async def _collect(reply: _Reply, request: Request) -> dict:
     clean = False
     try:
-        while True:
-            _raise_if_failed(chunk)
-            delta = reply.proc.process(chunk)
-            parts.append(delta.text)
-            if delta.finish_reason:
-                await stream.abort()  # ended by a stop string, the worker still runs; else a no-op
-                break
-            chunk = await stream.next_chunk(request.is_disconnected)
+        async with aclosing(_chunks(reply, request.is_disconnected)) as chunks:
+            async for c, chunk in chunks:
+                _raise_if_failed(chunk)
+                delta = c.proc.process(chunk)
+                c.parts.append(delta.text)
+                c.logprobs += reply.logprobs(chunk) or []
+                if delta.finish_reason:
+                    await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
         clean = True
     except StreamError as e:
         clean = True
@@ -224,64 +406,68 @@ async def _collect(reply: _Reply, stream: RequestStream, chunk: TokenChunk, requ
         raise
     finally:
         if clean:
-            await stream.abort()
+            await _abort_all(reply.choices)
         else:
-            spawn(stream.abort())
+            for c in reply.choices:
+                spawn(c.stream.abort())
         _log_finished(reply)
-    return oai.chat_completion(
-        reply.id,
-        reply.created,
-        reply.model,
-        "".join(parts),
-        reply.proc.finish_reason,
-        reply.usage(),
-        prompt_token_ids=reply.prompt_token_ids if reply.req.return_token_ids else None,
-        token_ids=reply.proc.token_ids if reply.req.return_token_ids else None,
-    )
+    want_ids = reply.req.return_token_ids
+    choices = [
+        oai.choice(c.index, "".join(c.parts), c.proc.finish_reason,
+                   logprobs=c.logprobs if reply.req.logprobs else None,
+                   token_ids=c.proc.token_ids if want_ids else None)
+        for c in reply.choices
+    ]
+    return oai.chat_completion(reply.id, reply.created, reply.model, choices, reply.usage(),
+                               prompt_token_ids=reply.prompt_token_ids if want_ids else None)
 
 
-async def _sse(reply: _Reply, stream: RequestStream, chunk: TokenChunk):
+async def _sse(reply: _Reply):
     want_ids = reply.req.return_token_ids
     usage_field = reply.req.include_usage
     clean = False
     try:
-        first = oai.chat_chunk(reply.id, reply.created, reply.model, {"role": "assistant", "content": ""},
-                               with_usage_field=usage_field)
-        if want_ids:
-            first["prompt_token_ids"] = reply.prompt_token_ids
-        yield _event(first)
-        while True:
-            failure = _failure(chunk)
-            if failure is not None:
-                clean = True
-                yield _event(error_body(failure.message, failure.type, None, failure.code))
-                return
-            delta = reply.proc.process(chunk)
-            if delta.text or delta.finish_reason or (want_ids and delta.token_ids):
-                yield _event(oai.chat_chunk(
-                    reply.id, reply.created, reply.model,
-                    {"content": delta.text} if delta.text else {},
-                    finish_reason=delta.finish_reason,
-                    token_ids=delta.token_ids if want_ids else None,
-                    with_usage_field=usage_field,
-                ))
-            if delta.finish_reason:
-                await stream.abort()  # ended by a stop string, the worker still runs; else a no-op
-                if usage_field:
-                    yield _event(oai.usage_chunk(reply.id, reply.created, reply.model, reply.usage()))
-                clean = True
-                yield "data: [DONE]\n\n"
-                return
-            try:
-                chunk = await stream.next_chunk()
-            except StreamError as e:
-                clean = True
-                yield _event(error_body(str(e), "server_error", None, e.code))
-                return
+        for c in reply.choices:
+            first = oai.chat_chunk(reply.id, reply.created, reply.model, {"role": "assistant", "content": ""},
+                                   index=c.index, with_usage_field=usage_field)
+            if want_ids and c.index == 0:
+                first["prompt_token_ids"] = reply.prompt_token_ids
+            yield _event(first)
+        try:
+            async with aclosing(_chunks(reply)) as chunks:
+                async for c, chunk in chunks:
+                    failure = _failure(chunk)
+                    if failure is not None:
+                        clean = True
+                        yield _event(error_body(failure.message, failure.type, None, failure.code))
+                        return
+                    delta = c.proc.process(chunk)
+                    logprobs = reply.logprobs(chunk)
+                    if delta.text or delta.finish_reason or (want_ids and delta.token_ids) or logprobs:
+                        yield _event(oai.chat_chunk(
+                            reply.id, reply.created, reply.model,
+                            {"content": delta.text} if delta.text else {},
+                            index=c.index,
+                            finish_reason=delta.finish_reason,
+                            logprobs=logprobs,
+                            token_ids=delta.token_ids if want_ids else None,
+                            with_usage_field=usage_field,
+                        ))
+                    if delta.finish_reason:
+                        await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
+        except StreamError as e:
+            clean = True
+            yield _event(error_body(str(e), "server_error", None, e.code))
+            return
+        if usage_field:
+            yield _event(oai.usage_chunk(reply.id, reply.created, reply.model, reply.usage()))
+        clean = True
+        yield "data: [DONE]\n\n"
     finally:
         # NOTE: when the client disconnects, Starlette cancels this generator and an
         # await here could be cancelled too, so the abort (or unsubscribe) is its own task.
-        spawn(stream.abort())
+        for c in reply.choices:
+            spawn(c.stream.abort())
         _log_finished(reply, disconnected=not clean)
 
 
@@ -314,9 +500,10 @@ def _log_finished(reply: _Reply, disconnected: bool = False) -> None:
         "request_finished",
         request_id=reply.request_id,
         prompt_tokens=len(reply.prompt_token_ids),
-        completion_tokens=len(reply.proc.token_ids),
-        cached_tokens=reply.proc.num_cached_tokens,
-        finish_reason=reply.proc.finish_reason,
+        completion_tokens=reply.completion_tokens,
+        cached_tokens=min(c.proc.num_cached_tokens for c in reply.choices),
+        finish_reason=",".join(str(c.proc.finish_reason) for c in reply.choices),
+        n=len(reply.choices),
         client_disconnected=disconnected,
         seconds=round(time.monotonic() - reply.started, 3),
     )

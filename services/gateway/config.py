@@ -1,8 +1,9 @@
 """Gateway settings and what it needs to know about the served model.
 
 ``GatewayConfig`` holds every knob with its default; ``load_model`` reads the
-HF-format model directory: ``config.json`` for the maximum model length and
-``tokenizer.json`` for detokenization (falling back to ``transformers``'
+HF-format model directory: ``config.json`` for the maximum model length and the
+vocabulary size (to validate ``logit_bias``) and ``tokenizer.json`` for
+detokenization (falling back to ``transformers``'
 AutoTokenizer, offline, when there is no ``tokenizer.json``).
 """
 
@@ -41,6 +42,7 @@ class ModelInfo:
     served_name: str
     max_model_len: int
     tokenizer: Decoder
+    vocab_size: int | None = None  # None: token ids are not checked against it
 
 
 def load_model(config: GatewayConfig) -> ModelInfo:
@@ -53,6 +55,7 @@ def load_model(config: GatewayConfig) -> ModelInfo:
         served_name=config.served_model_name or path.name,
         max_model_len=config.max_model_len or _max_model_len(hf_config),
         tokenizer=load_tokenizer(path),
+        vocab_size=_vocab_size(hf_config),
     )
 
 
@@ -62,6 +65,13 @@ def _max_model_len(hf_config: dict) -> int:
             if isinstance(cfg.get(key), int) and cfg[key] > 0:
                 return cfg[key]
     raise ValueError("config.json has no max_position_embeddings; pass --max-model-len")
+
+
+def _vocab_size(hf_config: dict) -> int | None:
+    for cfg in (hf_config, hf_config.get("text_config") or {}):
+        if isinstance(cfg.get("vocab_size"), int) and cfg["vocab_size"] > 0:
+            return cfg["vocab_size"]
+    return None
 
 
 def load_tokenizer(path: Path) -> Decoder:

@@ -2,10 +2,16 @@
 
 The request is parsed strictly from JSON (``"10"`` is not an int, ``1`` is not
 a bool) and unknown fields are ignored, as OpenAI does. vLLM extensions:
-``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the response then
-carries ``prompt_token_ids`` at the top level and ``token_ids`` in each choice;
-in a stream, ``prompt_token_ids`` rides on the first chunk and ``token_ids`` on
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids`` (the response then carries
+``prompt_token_ids`` at the top level and ``token_ids`` in each choice; in a
+stream, ``prompt_token_ids`` rides on the first chunk and ``token_ids`` on
 each chunk's choice, beside ``delta``, as vLLM does).
+
+``logprobs`` (with ``top_logprobs``) fills ``choices[].logprobs`` as
+``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...],
+"refusal": null}``, in a stream with the entries of that chunk's tokens
+(``deepinfer.gateway.logprobs``).
 """
 
 from __future__ import annotations
@@ -64,8 +70,16 @@ class ChatCompletionRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -101,32 +115,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def choice(
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: list[dict] | None = None,
+    token_ids: list[int] | None = None,
+) -> dict:
+    """One ``choices[]`` entry of a non-streamed completion; ``logprobs``: content entries, or None."""
+    out = {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    return out
+
+
 def chat_completion(
     completion_id: str,
     created: int,
     model: str,
-    text: str,
-    finish_reason: str,
+    choices: list[dict],
     usage_block: dict,
     prompt_token_ids: list[int] | None = None,
-    token_ids: list[int] | None = None,
 ) -> dict:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
     out = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage_block,
     }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
     if prompt_token_ids is not None:
         out["prompt_token_ids"] = prompt_token_ids
     return out
@@ -137,11 +160,18 @@ def chat_chunk(
     created: int,
     model: str,
     delta: dict,
+    index: int = 0,
     finish_reason: str | None = None,
+    logprobs: list[dict] | None = None,
     token_ids: list[int] | None = None,
     with_usage_field: bool = False,
 ) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+        "finish_reason": finish_reason,
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
     out = {

@@ -1,0 +1,144 @@
+"""Engine throughput and TTFT vs ``transformers.generate``, plus the chunk budget's cost model.
+
+In one run, on the same prompts (SmolLM2-135M-Instruct, fp32, greedy,
+``ignore_eos``, fixed output length):
+
+1. Our engine (in-process, no mesh) at 1, 4, 16 and 64 concurrent requests:
+   output tokens/s, TTFT (first token of each request, from when all were
+   queued), and the mean gap between steps (engine-thread CPU time between the
+   end of one forward pass and the start of the next: sampling, bookkeeping,
+   scheduling, input preparation).
+2. ``transformers.generate`` on the same prompts at the same batch sizes
+   (left-padded batch): output tokens/s.
+3. The step cost model (TECHNIQUES §3): coefficients after start-up
+   calibration, then predicted vs measured step time on chunked prefills of a
+   long prompt at a 100 ms budget.
+
+    python benchmarks/bench_engine.py [--max-tokens 64] [--batches 1 4 16 64] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old.",
+    "Give three tips for writing clean Python code.",
+    "What are the main differences between TCP and UDP?",
+    "Describe the water cycle in a few sentences.",
+    "Why is the sky blue?",
+    "Suggest a name for a friendly robot and explain why.",
+]
+
+
+def prompt_ids(tok, n):
+    return [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)] + f" (#{i})"}],
+                                    add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(n)]
+
+
+def run_engine(engine, prompts, max_tokens):
+    from deepinfer.protocol import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    ttft, tokens, gaps = {}, 0, []
+    last_end = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        if last_end is not None:
+            gaps.append(now - last_end - engine.last_step_s)
+        last_end = now
+        for o in outs:
+            tokens += len(o.new_token_ids)
+            ttft.setdefault(o.request_id, now - t0)
+    wall = time.perf_counter() - t0
+    return {"tok_s": tokens / wall, "ttft_ms": 1000 * statistics.median(ttft.values()),
+            "gap_ms": 1000 * statistics.mean(gaps) if gaps else float("nan"), "wall_s": wall}
+
+
+def run_hf(model, tok, prompts, max_tokens):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                       do_sample=False, pad_token_id=tok.pad_token_id)
+        wall = time.perf_counter() - t0
+    return {"tok_s": len(prompts) * max_tokens / wall, "wall_s": wall}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from deepinfer.models.convert import ensure_default_model
+    from deepinfer.protocol import SamplingParams
+
+    model_dir = ensure_default_model()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 << 30, calibrate=True, step_time_budget_s=None,
+                                               enable_prefix_caching=False))
+    print(f"engine start-up incl. calibration: {time.perf_counter() - t0:.1f} s")
+    cm = engine.cost_model
+    print(f"cost model after calibration: a={cm.a * 1e3:.2f} ms, b={cm.b * 1e6:.1f} us/token, d={cm.d * 1e9:.2f} ns/token-pair")
+
+    rows = []
+    run_engine(engine, prompt_ids(tok, 2), 4)  # warm-up
+    for b in args.batches:
+        rows.append(("deepinfer", b, run_engine(engine, prompt_ids(tok, b), args.max_tokens)))
+    if not args.skip_hf:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        for b in args.batches:
+            rows.append(("transformers", b, run_hf(hf, tok, prompt_ids(tok, b), args.max_tokens)))
+
+    print(f"\nSmolLM2-135M-Instruct fp32, greedy, {args.max_tokens} output tokens per request\n")
+    print(f"{'engine':<14}{'batch':>6}{'out tok/s':>11}{'TTFT p50 ms':>13}{'step gap ms':>13}{'wall s':>9}")
+    for name, b, r in rows:
+        print(f"{name:<14}{b:>6}{r['tok_s']:>11.1f}{r.get('ttft_ms', float('nan')):>13.0f}"
+              f"{r.get('gap_ms', float('nan')):>13.2f}{r['wall_s']:>9.1f}")
+    if not args.skip_hf:
+        print()
+        for b in args.batches:
+            ours = next(r for n, bb, r in rows if n == "deepinfer" and bb == b)
+            ref = next(r for n, bb, r in rows if n == "transformers" and bb == b)
+            print(f"batch {b:>3}: deepinfer / transformers throughput = {ours['tok_s'] / ref['tok_s']:.2f}x")
+
+    # predicted vs measured step time of budget-cut chunks
+    chunked = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1 << 30, step_time_budget_s=0.1,
+                                                max_num_batched_tokens=8192, enable_prefix_caching=False))
+    chunked.cost_model = engine.cost_model
+    chunked.scheduler.cost_model = engine.cost_model
+    chunked.add_request("long", list(range(1000, 4000)), SamplingParams(temperature=0, max_tokens=1))
+    print("\nchunked prefill of a 3000-token prompt, 100 ms budget (model refits online as it goes):")
+    print(f"{'step':>5}{'context':>9}{'chunk':>7}{'predicted ms':>14}{'measured ms':>13}")
+    step = 0
+    while chunked.has_unfinished():
+        seq = chunked.scheduler.waiting[0] if chunked.scheduler.waiting else chunked.scheduler.running[0]
+        c = seq.num_computed_tokens
+        chunked.step()
+        n = int(cm.samples[-1][0][1])  # tokens fed in that step
+        pred, meas = cm.errors[-1]
+        print(f"{step:>5}{c:>9}{n:>7}{pred * 1e3:>14.1f}{meas * 1e3:>13.1f}")
+        step += 1
+    print(f"mean |predicted - measured| over the run: {cm.mean_abs_error() * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
