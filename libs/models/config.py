@@ -9,7 +9,11 @@ from pathlib import Path
 
 @dataclass
 class ModelConfig:
-    """The fields the engine needs; names follow Hugging Face's LlamaConfig."""
+    """The fields the engine needs; names follow Hugging Face's LlamaConfig.
+
+    Family-specific fields (MoE sizes, layer types, soft-capping...) are read
+    from ``raw`` (the whole config.json) by the family's model class.
+    """
 
     model_type: str
     vocab_size: int
@@ -44,10 +48,10 @@ class ModelConfig:
             eos = json.loads(gen.read_text()).get("eos_token_id", eos)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         heads = raw["num_attention_heads"]
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope = dict(rope)
-        rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        if not any(isinstance(v, dict) for v in rope.values()):  # Gemma 3 keeps one dict per layer type
+            rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+            rope.setdefault("rope_type", rope.get("type", "default"))
         return cls(
             model_type=raw.get("model_type", "llama"),
             vocab_size=raw["vocab_size"],
@@ -59,7 +63,8 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # NOTE: Gemma configs default to tied embeddings and may omit the key.
+            tie_word_embeddings=raw.get("tie_word_embeddings", raw.get("model_type", "").startswith("gemma")),
             rope_parameters=rope,
             attention_bias=raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),

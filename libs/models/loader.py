@@ -1,4 +1,14 @@
-"""Build a model from a Hugging Face-format directory (config.json + *.safetensors)."""
+"""Build a model from a Hugging Face-format directory (config.json + *.safetensors).
+
+Each family's modules carry Hugging Face's parameter names, so the tensors
+``save_pretrained`` writes load by name: Llama/Qwen3/Gemma 3 as
+``model.layers.N.{self_attn,mlp}.*``; the MoE families with one tensor per
+expert (``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, the
+on-disk format transformers 5.x still writes although it fuses experts in
+memory); GPT-OSS with its fused expert tensors (``mlp.experts.gate_up_proj``
+[E, hidden, 2I] etc., its on-disk format). With ``tie_word_embeddings`` the checkpoint's ``lm_head.weight``
+(often absent) is ignored and the head shares the embedding matrix.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +19,21 @@ import torch
 from safetensors.torch import load_file
 
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.gemma3 import Gemma3ForCausalLM
+from deepinfer.models.gpt_oss import GptOssForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.models.qwen3 import Qwen3ForCausalLM
+from deepinfer.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 # model_type -> class. Llama-compatible families share one implementation.
 MODEL_REGISTRY = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,5 +74,5 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.init_rope(device)
+    model.init_buffers(device)
     return model.eval().requires_grad_(False), cfg
