@@ -60,6 +60,11 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     query_positions: torch.Tensor | None = None
+    # Batch-invariant mode: attend sequence by sequence at exact lengths (no padding), so a
+    # sequence's bits do not depend on the others' lengths (SDPA's tiling does).
+    per_sequence: bool = False
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
@@ -80,7 +85,8 @@ class AttentionMetadata:
 
 
 def build_metadata(
-    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
+    per_sequence: bool = False,
 ) -> AttentionMetadata:
     """Build the step's metadata from integers.
 
@@ -109,7 +115,8 @@ def build_metadata(
     query_index = (torch.arange(b)[:, None] * tq + torch.arange(tq)[None, :])[qvalid]
     slot_mapping = torch.cat([context_slots[i, c - q : c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
     return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq,
-                             query_positions=torch.where(qvalid, qpos, 0))
+                             query_positions=torch.where(qvalid, qpos, 0), per_sequence=per_sequence,
+                             query_lens=list(query_lens), context_lens=list(context_lens))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -131,6 +138,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     t, h, d = q.shape
     hkv = k_cache.shape[-2]
     b, tq = meta.num_seqs, meta.max_query_len
+    if meta.per_sequence and sinks is None:
+        return _per_sequence_attention(q, k_cache, v_cache, meta, scale, window)
     if t == b * tq:  # every sequence has the same query length (e.g. pure decode): no scatter
         qp = q.view(b, tq, h, d)
     else:
@@ -149,6 +158,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                     meta.mask(window), scale, sinks)
     out = out.transpose(1, 2).reshape(b * tq, h, d)
     return out if t == b * tq else out[meta.query_index]
+
+
+def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    """``paged_attention`` one sequence at a time, unpadded: [T, H, D] -> [T, H, D]."""
+    h, d = q.shape[1:]
+    hkv = k_cache.shape[-2]
+    mask = meta.mask(window)
+    outs, start = [], 0
+    for i, (ql, cl) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        slots = meta.context_slots[i, :cl]
+        k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
+        qi = q[start : start + ql].transpose(0, 1)[None]  # [1, H, ql, D]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask[i : i + 1, :, :ql, :cl], scale=scale,
+                                           enable_gqa=(h != hkv))
+        outs.append(o[0].transpose(0, 1))
+        start += ql
+    return torch.cat(outs)
 
 
 def _attention_with_sinks(q, k, v, mask, scale, sinks):

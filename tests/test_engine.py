@@ -169,3 +169,35 @@ def test_seeded_sampling_is_identical_across_the_prefill_decode_handoff(model_di
         for o in dec.step():
             rest += o.new_token_ids
     assert first.new_token_ids + rest == whole
+
+
+def run_with_logprobs(engine, reqs):
+    out = {rid: [] for rid, *_ in reqs}
+    for rid, ids, sp in reqs:
+        engine.add_request(rid, ids, sp)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += [(t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs)]
+    return out
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(model_dir, hf, invariant):
+    """Tokens and logprobs (bit for bit) of a request alone vs inside a batch of 16 of other lengths.
+
+    With the mode off the bits differ (so the test can tell the mode works);
+    with it on they are identical."""
+    _, tok = hf
+    topics = ["the sea", "a cat", "trains", "coffee", "winter", "music", "bees", "the moon", "chess", "rain",
+              "bridges", "apples", "clocks", "deserts", "owls", "paper"]
+    ps = [tok.apply_chat_template([{"role": "user", "content": f"Write about {t}. " * (1 + i % 5)}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+          for i, t in enumerate(topics)]
+    assert len({len(p) for p in ps}) > 4  # different lengths
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=128 << 20, batch_invariant=invariant,
+                                               enable_prefix_caching=False))
+    batched = run_with_logprobs(engine, [(str(i), p, sp) for i, p in enumerate(ps)])
+    assert engine.peak_batch_size == 16
+    same = [run_with_logprobs(engine, [(f"a{i}", ps[i], sp)])[f"a{i}"] == batched[str(i)] for i in (0, 7, 15)]
+    assert all(same) if invariant else not all(same)

@@ -24,6 +24,7 @@ from deepinfer.engine.sampler import sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.kvstore.hashing import model_fingerprint
+from deepinfer.models.layers import Linear
 from deepinfer.models.loader import DTYPES, load_model
 from deepinfer.protocol import SamplingParams
 
@@ -38,7 +39,10 @@ class EngineConfig:
     max_model_len: None = the model's max_position_embeddings.
     step_time_budget_s: predicted compute per step that prefill chunks may fill
     (None = no time budget: whole prompts up to max_num_batched_tokens).
-    calibrate: time a few forward passes at start-up to fit the step cost model."""
+    calibrate: time a few forward passes at start-up to fit the step cost model.
+    batch_invariant: a request's greedy output does not depend on the batch it
+    shares (see ``models.layers.Linear``); off by default on CPU because it
+    roughly doubles batch-1 decode time there."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -51,6 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     step_time_budget_s: float | None = None
     calibrate: bool = False
+    batch_invariant: bool = False
 
 
 @dataclass
@@ -84,6 +89,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.model_config = load_model(model_dir, config.dtype)
+        if config.batch_invariant:
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.batch_invariant = True
         dtype = DTYPES[config.dtype]
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -92,7 +101,7 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
                                           config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, config.block_size, num_blocks, dtype)
+        self.runner = ModelRunner(self.model, config.block_size, num_blocks, dtype, config.batch_invariant)
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids, self.cost_model,

@@ -17,10 +17,11 @@ from deepinfer.kernels.attention import build_metadata
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, num_blocks: int, dtype: torch.dtype):
+    def __init__(self, model, block_size: int, num_blocks: int, dtype: torch.dtype, batch_invariant: bool = False):
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.batch_invariant = batch_invariant
         self.kv_cache = torch.zeros(
             cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype
         )
@@ -44,7 +45,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
-        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size)
+        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
+                              per_sequence=self.batch_invariant)
         logits_index = torch.tensor(query_lens).cumsum(0) - 1
         return self.model(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, logits_index

@@ -27,8 +27,20 @@ class Linear(nn.Linear):
     """
 
     SKINNY_MAX_ROWS = 64
+    # Batch-invariant mode (set per module by the engine): MKL's sgemm gives each row
+    # the same bits for any M >= 16 (measured on this CPU for M up to 300), but other
+    # bits for M < 16 (GEMV / small-M kernels) and in the W @ x^T orientation. So
+    # pad to 16 rows and always use plain linear: a row's result no longer depends
+    # on how many other rows share the step. Costs ~2x at batch 1 on CPU.
+    INVARIANT_MIN_ROWS = 16
+    batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.dim() == 2:
+            m = x.shape[0]
+            if m < self.INVARIANT_MIN_ROWS:
+                x = F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m))
+            return F.linear(x, self.weight, self.bias)[:m]
         if x.dim() != 2 or not 1 < x.shape[0] <= self.SKINNY_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         y = (self.weight @ x.t()).t()
