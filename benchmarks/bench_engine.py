@@ -98,7 +98,8 @@ def main():
                                                enable_prefix_caching=False))
     print(f"engine start-up incl. calibration: {time.perf_counter() - t0:.1f} s")
     cm = engine.cost_model
-    print(f"cost model after calibration: a={cm.a * 1e3:.2f} ms, b={cm.b * 1e6:.1f} us/token, d={cm.d * 1e9:.2f} ns/token-pair")
+    print(f"cost model after calibration: a={cm.a * 1e3:.2f} ms, b={cm.b * 1e6:.1f} us/token, "
+          f"d={cm.d * 1e9:.2f} ns/token-pair, e={cm.e * 1e6:.2f} us/key gathered")
 
     rows = []
     run_engine(engine, prompt_ids(tok, 2), 4)  # warm-up

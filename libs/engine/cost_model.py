@@ -3,11 +3,19 @@
 A step that feeds ``n_r`` new tokens after ``c_r`` cached/computed tokens for
 each request r is predicted to take
 
-    t = a + b * sum_r n_r + d * sum_r n_r * (c_r + n_r / 2)      [seconds]
+    t = a + b * sum_r n_r + d * sum_r n_r * (c_r + n_r / 2) + e * sum_r (c_r + n_r)   [seconds]
 
 ``a``: fixed per-step cost (weights read once per step, Python overhead);
 ``b``: per-token cost (the linear layers); ``d``: per token-pair cost
-(attention: each new token attends to about c + n/2 keys). The coefficients
+(attention: each new token attends to about c + n/2 keys); ``e``: per key
+gathered from the paged cache (each sequence's whole context is read once
+per step, whatever its n).
+
+NOTE: ``e`` is our addition to TECHNIQUES §3's three-term model. Measured on
+the 2-core CPU: 16 decodes at context 1024 cost ~840 ms against ~110 ms for
+one, although their token-pairs are few; the block gather, not the dot
+products, dominates decode attention, so without ``e`` the fit was off by
+2-3x for chunks at long contexts. The coefficients
 are fitted at start-up from a few timed forward passes and refitted online by
 least squares over the most recent steps (Mooncake's regression TTFT
 predictor does the same). ``max_chunk`` inverts the model: the largest n
@@ -27,12 +35,15 @@ Piece = tuple[int, int]  # (new tokens n, context tokens before them c)
 
 
 def features(pieces: list[Piece]) -> list[float]:
-    return [1.0, float(sum(n for n, _ in pieces)), float(sum(n * (c + n / 2) for n, c in pieces))]
+    """[1, sum n, sum n(c + n/2), sum (c + n)] of a step's pieces."""
+    return [1.0, float(sum(n for n, _ in pieces)), float(sum(n * (c + n / 2) for n, c in pieces)),
+            float(sum(c + n for n, c in pieces))]
 
 
 class StepCostModel:
-    def __init__(self, a: float = 0.01, b: float = 1e-3, d: float = 1e-7, window: int = 256, refit_every: int = 16):
-        self.a, self.b, self.d = a, b, d
+    def __init__(self, a: float = 0.01, b: float = 1e-3, d: float = 1e-7, e: float = 0.0,
+                 window: int = 256, refit_every: int = 16):
+        self.a, self.b, self.d, self.e = a, b, d, e
         self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
         self.refit_every = refit_every
         self._since_fit = 0
@@ -40,19 +51,20 @@ class StepCostModel:
 
     def predict(self, pieces: list[Piece]) -> float:
         """Predicted seconds of one step feeding ``pieces``."""
-        _, sn, sq = features(pieces)
-        return self.a + self.b * sn + self.d * sq
+        _, sn, sq, sk = features(pieces)
+        return self.a + self.b * sn + self.d * sq + self.e * sk
 
     def piece_cost(self, n: int, c: int) -> float:
         """Marginal seconds that one request's piece adds to a step."""
-        return self.b * n + self.d * n * (c + n / 2)
+        return self.b * n + self.d * n * (c + n / 2) + self.e * (c + n)
 
     def max_chunk(self, c: int, seconds: float) -> int:
         """Largest n with ``piece_cost(n, c) <= seconds`` (0 if none fits)."""
+        seconds -= self.e * c
         if seconds <= 0:
             return 0
-        # (d/2) n^2 + (b + d c) n - seconds <= 0
-        qa, qb = self.d / 2, self.b + self.d * c
+        # (d/2) n^2 + (b + d c + e) n - (seconds - e c) <= 0
+        qa, qb = self.d / 2, self.b + self.d * c + self.e
         if qa <= 0:
             return int(seconds / qb) if qb > 0 else 1 << 30
         return max(0, int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa)))
@@ -66,23 +78,33 @@ class StepCostModel:
             self.fit()
 
     def fit(self) -> None:
-        """Least squares over the recent samples; coefficients kept >= 0.
+        """Non-negative least squares over the recent samples.
 
-        With samples that do not span the features (e.g. only decode steps),
-        the unidentified coefficients keep their previous values.
+        Ordinary least squares, then any negative coefficient is pinned to 0
+        and the rest refitted (the active-set idea of Lawson-Hanson NNLS).
+        A coefficient whose feature does not vary in the window (e.g. only
+        decode steps seen) keeps its previous value.
         """
         self._since_fit = 0
         x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
         y = torch.tensor([t for _, t in self.samples], dtype=torch.float64)
-        cols = [0] + [j for j in (1, 2) if x[:, j].max() - x[:, j].min() > 0]
-        old = [self.a, self.b, self.d]
-        fixed = [j for j in (1, 2) if j not in cols]
-        y_adj = y - sum(old[j] * x[:, j] for j in fixed) if fixed else y
-        sol = torch.linalg.lstsq(x[:, cols], y_adj[:, None]).solution[:, 0].tolist()
-        new = list(old)
-        for j, v in zip(cols, sol):
-            new[j] = max(v, 0.0)
-        self.a, self.b, self.d = new
+        coef = [self.a, self.b, self.d, self.e]
+        free = [0] + [j for j in range(1, x.shape[1]) if x[:, j].max() - x[:, j].min() > 0]
+        fixed = [j for j in range(x.shape[1]) if j not in free]
+        y_adj = y - sum(coef[j] * x[:, j] for j in fixed) if fixed else y
+        scale = x[:, free].abs().max(dim=0).values.clamp(min=1e-12)  # condition the columns
+        while free:
+            sol = torch.linalg.lstsq(x[:, free] / scale, y_adj[:, None]).solution[:, 0] / scale
+            if (sol >= 0).all():
+                for j, v in zip(free, sol.tolist()):
+                    coef[j] = v
+                break
+            drop = free[int(sol.argmin())]
+            coef[drop] = 0.0
+            keep = [i for i, j in enumerate(free) if j != drop]
+            free = [free[i] for i in keep]
+            scale = scale[keep]
+        self.a, self.b, self.d, self.e = coef
 
     def mean_abs_error(self) -> float | None:
         """Mean |predicted - measured| seconds over recent steps (None before any)."""

@@ -202,12 +202,12 @@ class LLMEngine:
     def calibrate(self) -> None:
         """Fit the step cost model from a few timed forward passes on dummy sequences.
 
-        Shapes: prefills of 16..256 tokens at context 0 and 256, decode batches
-        of 1..16 at context 128..512 (a few seconds of compute on 2 CPU cores).
+        Shapes: prefills of 16..256 tokens at contexts 0..1024, decode batches
+        of 1..16 at contexts 128..1024 (a few seconds of compute on 2 CPU cores).
         The first shape runs twice; its first run (warm-up) is not recorded.
         """
-        shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 256)], [(128, 256)],
-                  [(1, 128)], [(1, 512)] * 4, [(1, 256)] * 16]
+        shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 1024)], [(128, 512)],
+                  [(1, 128)], [(1, 1024)] * 8, [(1, 256)] * 16, [(1, 512)] * 4]
         for k, pieces in enumerate(shapes):
             seqs = []
             for i, (n, c) in enumerate(pieces):
