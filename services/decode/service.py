@@ -21,51 +21,26 @@ stop string matched) removes the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepinfer.engine.args import add_engine_args, engine_config
-from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.llm_engine import LLMEngine, RequestError, StepOutput
-from deepinfer.kvstore import BlockStore, model_fingerprint
+from deepinfer.engine.llm_engine import RequestError, StepOutput
+from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore.store import EPHEMERAL
-from deepinfer.mesh import Service, run_service
-from deepinfer.mesh.args import service_parser
-from deepinfer.models.convert import resolve_model
-from deepinfer.protocol import AbortRequest, DecodeRequest, LoadReport, SubmitReply, TokenChunk, subjects
+from deepinfer.protocol import AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
-DRAIN_TIMEOUT_S = 30.0
-
-
-class DecodeService(Service):
+class DecodeService(EngineWorker):
     role = "decode"
 
-    def __init__(self, nats_url: str, model_dir: str, engine_cfg, kv_root: str, worker_id: str | None = None):
-        super().__init__(nats_url, worker_id)
-        self.engine = LLMEngine(model_dir, engine_cfg)
-        self.store = BlockStore(kv_root, model_fingerprint(model_dir, engine_cfg.dtype, engine_cfg.block_size))
-        self.requests: dict[str, DecodeRequest] = {}
-        self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
-        self.async_engine: AsyncEngine | None = None
-
     async def setup(self) -> None:
-        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
-        self.async_engine.start()
+        self.start_engine()
         for subject, queue in ((subjects.DECODE_SUBMIT, subjects.DECODE_GROUP),
                                (subjects.decode_submit(self.worker_id), "")):
             await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="decode.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="decode.abort")
-
-    def load_report(self) -> LoadReport:
-        e = self.engine
-        return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
-                          waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
-                          kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
-                          steps=e.num_steps)
 
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: DecodeRequest) -> SubmitReply:
@@ -123,21 +98,7 @@ class DecodeService(Service):
             return None
         return torch.stack(blocks)
 
-    async def finish_inflight(self) -> None:
-        for _ in range(int(DRAIN_TIMEOUT_S * 10)):
-            if not self.requests:
-                break
-            await asyncio.sleep(0.1)
-
-    async def teardown(self) -> None:
-        self.async_engine.stop()
-        self.io.shutdown(wait=False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = service_parser("decode", "Decode worker")
-    add_engine_args(p)
-    args = p.parse_args(argv)
-    svc = DecodeService(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=False),
-                        args.kv_root, args.worker_id)
-    run_service(svc, args.log_level)
+    DecodeService.main(argv, "Decode worker")

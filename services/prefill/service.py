@@ -22,19 +22,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.engine.args import add_engine_args, engine_config
-from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.llm_engine import LLMEngine, RequestError, StepOutput
-from deepinfer.kvstore import BlockStore, block_hashes, ephemeral_key, model_fingerprint
+from deepinfer.engine.llm_engine import RequestError, StepOutput
+from deepinfer.engine.worker import EngineWorker
+from deepinfer.kvstore import block_hashes, ephemeral_key
 from deepinfer.kvstore.store import EPHEMERAL
-from deepinfer.mesh import MeshError, Service, run_service
-from deepinfer.mesh.args import service_parser
-from deepinfer.models.convert import resolve_model
-from deepinfer.protocol import (
-    AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SubmitReply, TokenChunk, subjects,
-)
+from deepinfer.mesh import MeshError
+from deepinfer.protocol import AbortRequest, DecodeRequest, PrefillRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -43,35 +37,23 @@ HANDOFF_TIMEOUT_S = 10.0
 ABORTED_MEMORY = 4096  # request ids remembered as aborted
 
 
-class PrefillService(Service):
+class PrefillService(EngineWorker):
     role = "prefill"
+    prefill_only = True
+    drain_timeout_s = HANDOFF_TIMEOUT_S
 
-    def __init__(self, nats_url: str, model_dir: str, engine_cfg, kv_root: str, worker_id: str | None = None):
-        super().__init__(nats_url, worker_id)
-        self.engine = LLMEngine(model_dir, engine_cfg)
-        self.fingerprint = model_fingerprint(model_dir, engine_cfg.dtype, engine_cfg.block_size)
-        self.store = BlockStore(kv_root, self.fingerprint)
-        self.requests: dict[str, PrefillRequest] = {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.aborted: OrderedDict[str, None] = OrderedDict()  # ids aborted before they arrived
-        self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
-        self.async_engine: AsyncEngine | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
 
     async def setup(self) -> None:
-        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
-        self.async_engine.start()
+        self.start_engine()
         for subject, queue in ((subjects.PREFILL_SUBMIT, subjects.PREFILL_GROUP),
                                (subjects.prefill_submit(self.worker_id), "")):
             await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="prefill.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="prefill.abort")
         await self.mesh.subscribe(subjects.PREFILL_ABORT_ANY, self.on_abort, span_name="prefill.abort")
-
-    def load_report(self) -> LoadReport:
-        e = self.engine
-        return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
-                          waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
-                          kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
-                          steps=e.num_steps)
 
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: PrefillRequest) -> SubmitReply:
@@ -135,7 +117,7 @@ class PrefillService(Service):
     def store_blocks(self, req: PrefillRequest, out: StepOutput) -> list[str]:
         """Write the prompt's KV blocks; return their keys in order (runs on the I/O pool)."""
         bs = self.engine.config.block_size
-        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.fingerprint)
+        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint)
         keys = []
         for i in range(out.kv_blocks.shape[0]):
             if i < len(full):
@@ -148,21 +130,9 @@ class PrefillService(Service):
             keys.append(key)
         return keys
 
-    async def finish_inflight(self) -> None:
-        for _ in range(int(HANDOFF_TIMEOUT_S * 10)):
-            if not self.requests and not self._tasks:
-                break
-            await asyncio.sleep(0.1)
-
-    async def teardown(self) -> None:
-        self.async_engine.stop()
-        self.io.shutdown(wait=False)
+    def busy(self) -> bool:
+        return bool(self.requests or self._tasks)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = service_parser("prefill", "Prefill worker")
-    add_engine_args(p)
-    args = p.parse_args(argv)
-    svc = PrefillService(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=True),
-                         args.kv_root, args.worker_id)
-    run_service(svc, args.log_level)
+    PrefillService.main(argv, "Prefill worker")

@@ -1,0 +1,74 @@
+"""Base of the engine workers (prefill, decode): an ``LLMEngine`` on its thread inside a mesh ``Service``.
+
+It owns what both workers share: the engine and its thread, the storage-tier
+``BlockStore`` (rooted at the engine's model fingerprint, so both sides agree
+on block names), the I/O thread pool, load reports, and draining (wait for
+in-flight requests, bounded). Subclasses subscribe their handlers in
+``setup()`` and turn engine outputs into messages in ``on_outputs()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from deepinfer.engine.args import add_engine_args, engine_config
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
+from deepinfer.kvstore import BlockStore
+from deepinfer.mesh import Service, run_service
+from deepinfer.mesh.args import service_parser
+from deepinfer.models.convert import resolve_model
+from deepinfer.protocol import LoadReport
+
+
+class EngineWorker(Service):
+    prefill_only = False
+    drain_timeout_s = 30.0
+
+    def __init__(self, nats_url: str, model_dir: str, engine_cfg: EngineConfig, kv_root: str,
+                 worker_id: str | None = None):
+        super().__init__(nats_url, worker_id)
+        self.engine = LLMEngine(model_dir, engine_cfg)
+        self.store = BlockStore(kv_root, self.engine.fingerprint)
+        self.requests: dict = {}  # request_id -> the request message, while it is in the engine
+        self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
+        self.async_engine: AsyncEngine | None = None
+
+    def start_engine(self) -> None:
+        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
+        self.async_engine.start()
+
+    def on_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def load_report(self) -> LoadReport:
+        e = self.engine
+        return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
+                          waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
+                          kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
+                          steps=e.num_steps)
+
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+    async def finish_inflight(self) -> None:
+        for _ in range(int(self.drain_timeout_s * 10)):
+            if not self.busy():
+                break
+            await asyncio.sleep(0.1)
+
+    async def teardown(self) -> None:
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        self.io.shutdown(wait=False)
+
+    @classmethod
+    def main(cls, argv: list[str] | None, description: str) -> None:
+        """Parse the common worker options and run the service until SIGINT/SIGTERM."""
+        p = service_parser(cls.role, description)
+        add_engine_args(p)
+        args = p.parse_args(argv)
+        svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
+                  args.kv_root, args.worker_id)
+        run_service(svc, args.log_level)
