@@ -14,7 +14,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues test membership / remove by object, not by comparing token lists
 class Sequence:
     """Tokens are ``prompt + output``; the first ``num_computed_tokens`` have KV in the cache.
 
