@@ -18,16 +18,7 @@ import asyncio
 import statistics
 import time
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis to a ten-year-old.",
-    "Give three tips for writing clean Python code.",
-    "What are the main differences between TCP and UDP?",
-    "Describe the water cycle in a few sentences.",
-    "Why is the sky blue?",
-    "Suggest a name for a friendly robot and explain why.",
-]
+from prompts import PROMPTS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 async def run_mesh(url: str, model: str, concurrency: int, max_tokens: int):

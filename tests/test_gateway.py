@@ -13,8 +13,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +44,7 @@ from deepinfer.protocol import (
     TokenChunk,
     subjects,
 )
+from deepinfer.launcher import free_port, start_nats
 from deepinfer.telemetry import configure_tracing
 
 
@@ -54,11 +55,6 @@ TOKENIZER = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 PREFILL_ID, DECODE_ID, TOKENIZER_ID = "prefill-fake", "decode-fake", "tokenizer-fake"
 HEARTBEAT_S = 0.2
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def render(messages: list[dict]) -> str:
@@ -186,21 +182,10 @@ class FakeWorkers:
 # --- fixtures ----------------------------------------------------------------------
 
 
-def start_nats_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    binary = Path(sys.executable).parent / "nats-server"
-    proc = subprocess.Popen([str(binary), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"nats://127.0.0.1:{port}"
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.02)
+def start_nats_server():
+    """A private nats-server (the launcher's code) so these fake workers see no others."""
+    proc = start_nats(Path(tempfile.mkdtemp(prefix="gateway-test-nats-")))
+    return proc, proc.url
 
 
 class InProcessGateway:
@@ -237,8 +222,7 @@ class InProcessGateway:
 def nats_url():
     proc, url = start_nats_server()
     yield url
-    proc.terminate()
-    proc.wait(5)
+    proc.stop()
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -355,8 +339,7 @@ async def test_without_workers_health_and_chat_answer_503():
             r = await c.post("/v1/chat/completions", json=chat_body(gw.model, stream=True))
             assert_openai_error(r, 503)
     finally:
-        proc.terminate()
-        proc.wait(5)
+        proc.stop()
 
 
 # --- error shapes ------------------------------------------------------------------

@@ -67,8 +67,7 @@ class SeededWorkers(FakeWorkers):
 def nats_url():
     proc, url = start_nats_server()
     yield url
-    proc.terminate()
-    proc.wait(5)
+    proc.stop()
 
 
 @pytest_asyncio.fixture(scope="module")
