@@ -181,12 +181,13 @@ def run_with_logprobs(engine, reqs):
     return out
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(model_dir, hf, invariant):
+@pytest.mark.parametrize("invariant,packed", [(True, True), (True, False), (False, False)])
+def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(model_dir, hf, invariant, packed):
     """Tokens and logprobs (bit for bit) of a request alone vs inside a batch of 16 of other lengths.
 
-    With the mode off the bits differ (so the test can tell the mode works);
-    with it on they are identical."""
+    With the mode off (and unpacked weights, whose GEMM bits depend on M) the
+    bits differ, so the test can tell the mode works; with it on they are
+    identical, with packed and with unpacked weights."""
     _, tok = hf
     topics = ["the sea", "a cat", "trains", "coffee", "winter", "music", "bees", "the moon", "chess", "rain",
               "bridges", "apples", "clocks", "deserts", "owls", "paper"]
@@ -196,7 +197,7 @@ def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(mo
     assert len({len(p) for p in ps}) > 4  # different lengths
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3)
     engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=128 << 20, batch_invariant=invariant,
-                                               enable_prefix_caching=False))
+                                               packed_weights=packed, enable_prefix_caching=False))
     batched = run_with_logprobs(engine, [(str(i), p, sp) for i, p in enumerate(ps)])
     assert engine.peak_batch_size == 16
     same = [run_with_logprobs(engine, [(f"a{i}", ps[i], sp)])[f"a{i}"] == batched[str(i)] for i in (0, 7, 15)]
