@@ -5,9 +5,11 @@ In one run, on the same prompts (SmolLM2-135M-Instruct, fp32, greedy,
 
 1. Our engine (in-process, no mesh) at 1, 4, 16 and 64 concurrent requests:
    output tokens/s, TTFT (first token of each request, from when all were
-   queued), and the mean gap between steps (engine-thread CPU time between the
-   end of one forward pass and the start of the next: sampling, bookkeeping,
-   scheduling, input preparation).
+   queued), and the mean gap between steps (time the forward thread waits
+   between the end of one step's forward + sampling and the start of the next
+   forward), once stepping synchronously (schedule, prepare inputs and apply
+   outputs between forward passes) and once with async scheduling (step t+1
+   scheduled and prepared while step t runs).
 2. ``transformers.generate`` on the same prompts at the same batch sizes
    (left-padded batch): output tokens/s.
 3. The step cost model (TECHNIQUES §3): coefficients after start-up
@@ -32,25 +34,23 @@ def prompt_ids(tok, n):
                                     add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(n)]
 
 
-def run_engine(engine, prompts, max_tokens):
+def run_engine(engine, prompts, max_tokens, overlapped):
     from deepinfer.protocol import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.step_gaps.clear()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
-    ttft, tokens, gaps = {}, 0, []
-    last_end = None
+    ttft, tokens = {}, 0
     while engine.has_unfinished():
-        outs = engine.step()
+        outs = engine.step_async() if overlapped else engine.step()
         now = time.perf_counter()
-        if last_end is not None:
-            gaps.append(now - last_end - engine.last_step_s)
-        last_end = now
         for o in outs:
             tokens += len(o.new_token_ids)
             ttft.setdefault(o.request_id, now - t0)
     wall = time.perf_counter() - t0
+    gaps = list(engine.step_gaps)
     return {"tok_s": tokens / wall, "ttft_ms": 1000 * statistics.median(ttft.values()),
             "gap_ms": 1000 * statistics.mean(gaps) if gaps else float("nan"), "wall_s": wall}
 
@@ -93,31 +93,34 @@ def main():
           f"d={cm.d * 1e9:.2f} ns/token-pair, e={cm.e * 1e6:.2f} us/key gathered")
 
     rows = []
-    run_engine(engine, prompt_ids(tok, 2), 4)  # warm-up
+    run_engine(engine, prompt_ids(tok, 2), 4, False)  # warm-up
     for b in args.batches:
-        rows.append(("deepinfer", b, run_engine(engine, prompt_ids(tok, b), args.max_tokens)))
+        for overlapped in (False, True):
+            name = "deepinfer async" if overlapped else "deepinfer sync"
+            rows.append((name, b, run_engine(engine, prompt_ids(tok, b), args.max_tokens, overlapped)))
     if not args.skip_hf:
         hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         for b in args.batches:
             rows.append(("transformers", b, run_hf(hf, tok, prompt_ids(tok, b), args.max_tokens)))
 
     print(f"\nSmolLM2-135M-Instruct fp32, greedy, {args.max_tokens} output tokens per request\n")
-    print(f"{'engine':<14}{'batch':>6}{'out tok/s':>11}{'TTFT p50 ms':>13}{'step gap ms':>13}{'wall s':>9}")
+    print(f"{'engine':<17}{'batch':>6}{'out tok/s':>11}{'TTFT p50 ms':>13}{'step gap ms':>13}{'wall s':>9}")
     for name, b, r in rows:
-        print(f"{name:<14}{b:>6}{r['tok_s']:>11.1f}{r.get('ttft_ms', float('nan')):>13.0f}"
+        print(f"{name:<17}{b:>6}{r['tok_s']:>11.1f}{r.get('ttft_ms', float('nan')):>13.0f}"
               f"{r.get('gap_ms', float('nan')):>13.2f}{r['wall_s']:>9.1f}")
     if not args.skip_hf:
         print()
         for b in args.batches:
-            ours = next(r for n, bb, r in rows if n == "deepinfer" and bb == b)
+            ours = next(r for n, bb, r in rows if n == "deepinfer async" and bb == b)
             ref = next(r for n, bb, r in rows if n == "transformers" and bb == b)
-            print(f"batch {b:>3}: deepinfer / transformers throughput = {ours['tok_s'] / ref['tok_s']:.2f}x")
+            print(f"batch {b:>3}: deepinfer (async) / transformers throughput = {ours['tok_s'] / ref['tok_s']:.2f}x")
 
     # predicted vs measured step time of budget-cut chunks
     chunked = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1 << 30, step_time_budget_s=0.5,
                                                 max_num_batched_tokens=8192, enable_prefix_caching=False))
     chunked.cost_model = engine.cost_model
     chunked.scheduler.cost_model = engine.cost_model
+    cm.errors.clear()
     chunked.add_request("long", list(range(1000, 4000)), SamplingParams(temperature=0, max_tokens=1))
     print("\nchunked prefill of a 3000-token prompt, 500 ms budget (model refits online as it goes):")
     print(f"{'step':>5}{'context':>9}{'chunk':>7}{'predicted ms':>14}{'measured ms':>13}")

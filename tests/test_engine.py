@@ -38,12 +38,13 @@ def hf_greedy(hf, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def run(engine, reqs):
+def run(engine, reqs, overlapped=False):
+    """Run requests to completion; ``overlapped`` drives the engine with ``step_async``."""
     out = {rid: [] for rid, *_ in reqs}
     for rid, ids, sp in reqs:
         engine.add_request(rid, ids, sp)
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in (engine.step_async() if overlapped else engine.step()):
             out[o.request_id] += o.new_token_ids
     return out
 
@@ -85,6 +86,62 @@ def test_preemption_under_tiny_kv_cache_keeps_outputs_exact(model_dir, prompts):
     out = run(tight, [(str(i), p, sp) for i, p in enumerate(prompts[:2])])
     assert tight.scheduler.num_preemptions > 0
     assert out == expected
+
+
+def test_preemption_under_async_scheduling_keeps_outputs_exact(model_dir, prompts):
+    """With a step in flight nothing is preempted; the engine waits for it, then preempts."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = run(LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20)),
+                   [(str(i), p, sp) for i, p in enumerate(prompts[:2])])
+    tight = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=LLMEngine(model_dir).block_bytes * 6))
+    out = run(tight, [(str(i), p, sp) for i, p in enumerate(prompts[:2])], overlapped=True)
+    assert tight.scheduler.num_preemptions > 0
+    assert out == expected
+    assert tight.block_manager.num_used_blocks == 0
+
+
+def test_async_scheduling_matches_sync_and_transformers(model_dir, hf, prompts):
+    """Mixed lengths, EOS stops, chunked prefill and a prefix-cache hit, with step t+1
+    scheduled while step t runs: the same tokens as one step at a time and as HF."""
+    _, tok = hf
+    reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=n))
+            for i, (p, n) in enumerate(zip(prompts + [prompts[2][:-3] + [28, 2]], [3, 24, 9, 17]))]
+    cfg = dict(kv_cache_bytes=64 << 20, max_num_batched_tokens=40)
+    sync = LLMEngine(model_dir, EngineConfig(**cfg))
+    expected = run(sync, reqs)
+    engine = LLMEngine(model_dir, EngineConfig(**cfg))
+    out = run(engine, reqs, overlapped=True)
+    assert out == expected
+    for rid, ids, sp in reqs:
+        ref = hf_greedy(hf, ids, sp.max_tokens)
+        if tok.eos_token_id in ref:  # HF keeps padding after EOS; the engine stops at it
+            ref = ref[: ref.index(tok.eos_token_id) + 1]
+        assert out[rid] == ref, rid
+    assert engine.block_manager.num_hit_tokens > 0  # the 4th prompt reused the 3rd's prefix
+    assert engine.block_manager.num_used_blocks == 0  # every finished sequence freed its blocks
+    # every step but the first was scheduled while the one before it ran
+    assert engine.num_overlapped_steps == engine.num_steps - 1 and engine.num_steps > 20
+
+
+def test_abort_while_a_step_is_in_flight_frees_blocks_after_it(model_dir, prompts):
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20))
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = run(LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20)), [("b", prompts[1], sp)])["b"]
+    engine.add_request("a", prompts[0], sp)
+    engine.add_request("b", prompts[1], sp)
+    out = {"a": [], "b": []}
+    for _ in range(4):
+        for o in engine.step_async():
+            out[o.request_id] += o.new_token_ids
+    a = next(s for s in engine.scheduler.running if s.request_id == "a")
+    assert a.num_inflight_steps == 1  # a forward pass that writes a's KV is running
+    assert engine.abort("a")
+    assert a.block_table  # not freed under the running forward pass
+    while engine.has_unfinished():
+        for o in engine.step_async():
+            out[o.request_id] += o.new_token_ids
+    assert not a.block_table and engine.block_manager.num_used_blocks == 0
+    assert out["b"] == expected and 0 < len(out["a"]) < 12
 
 
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(model_dir, prompts):

@@ -23,6 +23,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="predicted compute per step that prefill chunks may fill, ms (default 250; 0 = no limit)")
     p.add_argument("--no-calibrate", action="store_true", help="skip timing forward passes at start-up")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching in the engine")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="schedule each step after the previous one instead of during it")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="greedy output independent of batch composition (slower attention)")
+    p.add_argument("--no-packed-weights", action="store_true", help="do not pre-pack GEMM weights (MKL, fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
                    help="storage tier root directory (shared across workers)")
@@ -41,4 +46,7 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         step_time_budget_s=args.step_time_budget_ms / 1000 if args.step_time_budget_ms > 0 else None,
         calibrate=not args.no_calibrate,
+        async_scheduling=not args.no_async_scheduling,
+        batch_invariant=args.batch_invariant,
+        packed_weights=not args.no_packed_weights,
     )

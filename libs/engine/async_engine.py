@@ -76,7 +76,7 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step_async() if self.engine.config.async_scheduling else self.engine.step()
             except Exception:  # never kill the thread silently: fail the batch's requests
                 log.exception("engine_step_failed")
                 outputs = self._fail_all()

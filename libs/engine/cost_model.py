@@ -21,7 +21,10 @@ least squares over the most recent steps (Mooncake's regression TTFT
 predictor does the same). ``max_chunk`` inverts the model: the largest n
 whose predicted cost fits the time left in the step.
 
-Parameters (defaults): window=256 recent steps, refit_every=16 steps.
+Parameters (defaults): window=256 recent steps, refit_every=16 steps, and
+at once after a step whose prediction was off by more than refit_error=25%
+of its measured time (so the model follows a shift, e.g. into contexts
+longer than calibration saw, within a step or two).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ def features(pieces: list[Piece]) -> list[float]:
 
 class StepCostModel:
     def __init__(self, a: float = 0.01, b: float = 1e-3, d: float = 1e-7, e: float = 0.0,
-                 window: int = 256, refit_every: int = 16):
+                 window: int = 256, refit_every: int = 16, refit_error: float = 0.25):
         self.a, self.b, self.d, self.e = a, b, d, e
         self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
         self.refit_every = refit_every
+        self.refit_error = refit_error
         self._since_fit = 0
         self.errors: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured)
 
@@ -70,11 +74,13 @@ class StepCostModel:
         return max(0, int((-qb + math.sqrt(qb * qb + 4 * qa * seconds)) / (2 * qa)))
 
     def observe(self, pieces: list[Piece], seconds: float) -> None:
-        """Record a measured step; refit every ``refit_every`` observations."""
-        self.errors.append((self.predict(pieces), seconds))
+        """Record a measured step; refit every ``refit_every`` observations or after a bad miss."""
+        predicted = self.predict(pieces)
+        self.errors.append((predicted, seconds))
         self.samples.append((features(pieces), seconds))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len(self.samples) >= 3:
+        missed = abs(predicted - seconds) > self.refit_error * seconds
+        if (self._since_fit >= self.refit_every or missed) and len(self.samples) >= 3:
             self.fit()
 
     def fit(self) -> None:

@@ -7,11 +7,19 @@ first token with reason ``"handoff"`` and exports the KV blocks of the prompt
 so the caller can write them to the storage tier. A decode engine accepts
 requests with imported KV (``add_request(..., kv_blocks=...)``) that go
 straight into the running batch.
+
+``step()`` runs one step synchronously. ``step_async()`` overlaps: the
+forward pass and sampling of step t run on a forward thread while this
+thread schedules and prepares step t+1 and hands off step t-1's outputs
+(async scheduling, vLLM v1); ``step_gaps`` records the forward thread's idle
+time between steps either way.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +27,8 @@ import torch
 
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.cost_model import StepCostModel, features
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.sampler import sample
+from deepinfer.engine.model_runner import ModelRunner, StepInputs
+from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.kvstore.hashing import model_fingerprint
@@ -44,7 +52,9 @@ class EngineConfig:
     shares (see ``models.layers.Linear``); off by default on CPU because it
     roughly doubles batch-1 decode time there.
     packed_weights: run linear layers from MKL-packed weights (CPU fp32; one
-    extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes)."""
+    extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes).
+    async_scheduling: workers drive the engine with ``step_async`` (schedule
+    step t+1 while step t runs) instead of ``step``."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -59,6 +69,7 @@ class EngineConfig:
     calibrate: bool = False
     batch_invariant: bool = False
     packed_weights: bool = True
+    async_scheduling: bool = True
 
 
 @dataclass
@@ -84,6 +95,17 @@ class StepOutput:
         if self.logprobs is None:
             return None
         return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in self.logprobs]
+
+
+@dataclass
+class _Step:
+    """A launched step: its sequences, inputs, (tokens, context) pieces for the
+    cost model, and the indices of the sequences that sample a token."""
+
+    seqs: list[Sequence]
+    inputs: StepInputs
+    pieces: list[tuple[int, int]]
+    sampling: list[int]
 
 
 class LLMEngine:
@@ -114,7 +136,13 @@ class LLMEngine:
         self.peak_batch_size = 0
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens fed through the model (not cache hits)
-        self.last_step_s = 0.0
+        self.last_step_s = 0.0  # forward time of the last step (s)
+        # forward-thread idle time between consecutive steps' forward passes (s)
+        self.step_gaps: deque[float] = deque(maxlen=4096)
+        self.num_overlapped_steps = 0  # steps scheduled while the previous one ran
+        self._forward_end: float | None = None
+        self._inflight: tuple[_Step, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         if config.calibrate:
             self.calibrate()
 
@@ -162,61 +190,126 @@ class LLMEngine:
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # --- the step ------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        seqs = self.scheduler.schedule()
-        if not seqs:
+        """One synchronous step: schedule, prepare, forward + sample, update."""
+        if self._inflight is not None:  # coming from step_async: collect that step first
+            return self._collect(None)
+        step = self._launch(can_preempt=True)
+        return self._finish(step, self._execute(step)) if step else []
+
+    def step_async(self) -> list[StepOutput]:
+        """One iteration of the overlapped loop (async scheduling, vLLM v1).
+
+        Schedules and prepares step t+1 while step t runs on the forward
+        thread, then waits for step t, applies its tokens, launches step t+1 and
+        returns step t's outputs (so the caller hands them off while t+1 runs).
+        Call until ``has_unfinished()`` is False. Exceptions of the forward pass
+        are raised here, with the launched steps' bookkeeping undone.
+        """
+        nxt = self._launch(can_preempt=self._inflight is None)
+        if self._inflight is None:
+            if nxt is not None:
+                self._inflight = (nxt, self._forward_pool().submit(self._execute, nxt))
             return []
+        return self._collect(nxt)
+
+    def _collect(self, nxt: "_Step | None") -> list[StepOutput]:
+        step, future = self._inflight
+        self._inflight = None
+        try:
+            result = future.result()
+        except BaseException:
+            for s in (step, nxt):
+                if s is not None:
+                    self._drop(s)
+            raise
+        outputs = self._finish(step, result)
+        if nxt is not None:
+            self.num_overlapped_steps += 1
+            self._inflight = (nxt, self._forward_pool().submit(self._execute, nxt))
+        return outputs
+
+    def _forward_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        return self._pool
+
+    def _launch(self, can_preempt: bool) -> "_Step | None":
+        """Schedule the next step, build its inputs and advance its sequences."""
+        seqs = self.scheduler.schedule(can_preempt)
+        if not seqs:
+            self._forward_end = None  # idle: the next gap is not an inter-step gap
+            return None
         pieces = [(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs]
-        t0 = time.perf_counter()
-        logits = self.runner.run(seqs)
-        self.last_step_s = time.perf_counter() - t0
-        self.cost_model.observe(pieces, self.last_step_s)
-        # only sequences whose fed tokens reach their end sample a token
-        done = [i for i, s in enumerate(seqs) if s.num_computed_tokens + s.num_scheduled_tokens == len(s)]
-        result = sample(logits[done], [seqs[i] for i in done],
-                        [self.generators.get(seqs[i].request_id) for i in done], self.model_config.eos_token_ids)
-        tokens = result.token_ids
-        logprobs = dict(zip(done, result.logprobs))
+        inputs = self.runner.prepare(seqs)
+        sampling = self.scheduler.advance(seqs)
         self.num_steps += 1
         self.num_computed_tokens_total += sum(n for n, _ in pieces)
         self.peak_batch_size = max(self.peak_batch_size, len(seqs))
-        sampled = dict(zip(done, tokens))
-        finished = {id(s) for s in self.scheduler.postprocess(seqs, sampled)}
+        return _Step(seqs, inputs, pieces, sampling)
+
+    def _execute(self, step: "_Step") -> SampleResult:
+        """Forward pass and sampling (on the forward thread in async mode)."""
+        self.runner.fill(step.inputs)
+        t0 = time.perf_counter()
+        if self._forward_end is not None:
+            self.step_gaps.append(t0 - self._forward_end)
+        logits = self.runner.execute(step.inputs)
+        self.last_step_s = time.perf_counter() - t0
+        self.cost_model.observe(step.pieces, self.last_step_s)
+        seqs = [step.seqs[i] for i in step.sampling]
+        result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs],
+                        self.model_config.eos_token_ids)
+        self._forward_end = time.perf_counter()
+        return result
+
+    def _drop(self, step: "_Step") -> None:
+        """Undo ``advance`` of a step that never came back (its forward pass failed)."""
+        for i, seq in enumerate(step.seqs):
+            seq.num_inflight_steps -= 1
+            if i in step.sampling:
+                seq.num_inflight_tokens -= 1
+
+    def _finish(self, step: "_Step", result: SampleResult) -> list[StepOutput]:
+        """Apply a step's sampled tokens; outputs for sequences still live; free finished ones."""
+        sampled = dict(zip(step.sampling, result.token_ids))
+        logprobs = dict(zip(step.sampling, result.logprobs))
+        live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
+        finished = {id(s) for s in self.scheduler.update(step.seqs, sampled)}
         outputs = []
-        for i, seq in enumerate(seqs):
-            if i not in sampled:
-                continue
-            out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
-                             num_cached_tokens=seq.num_cached_tokens,
-                             logprobs=[logprobs[i]] if logprobs[i] is not None else None)
-            if id(seq) in finished:
-                if seq.finish_reason == "handoff":
-                    out.num_kv_tokens = seq.num_computed_tokens
+        for i, seq in enumerate(step.seqs):
+            if i in live:
+                out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
+                                 num_cached_tokens=seq.num_cached_tokens,
+                                 logprobs=[logprobs[i]] if logprobs[i] is not None else None)
+                if id(seq) in finished and seq.finish_reason == "handoff":
+                    out.num_kv_tokens = len(seq.token_ids) - 1
                     n = -(-out.num_kv_tokens // self.config.block_size)
                     out.kv_blocks = self.runner.read_blocks(seq.block_table[:n])
+                outputs.append(out)
+            if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
                 self.block_manager.free(seq)
                 self.generators.pop(seq.request_id, None)
-            outputs.append(out)
         return outputs
 
     # --- cost model ---------------------------------------------------------------
     def calibrate(self) -> None:
         """Fit the step cost model from a few timed forward passes on dummy sequences.
 
-        Shapes: prefills of 16..256 tokens at contexts 0..1024, decode batches
+        Shapes: prefills of 16..256 tokens at contexts 0..2048, decode batches
         of 1..16 at contexts 128..1024 (a few seconds of compute on 2 CPU cores).
         The first shape runs twice; its first run (warm-up) is not recorded.
         """
-        shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 1024)], [(128, 512)],
+        shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 1024)], [(128, 512)], [(256, 2048)],
                   [(1, 128)], [(1, 1024)] * 8, [(1, 256)] * 16, [(1, 512)] * 4]
         for k, pieces in enumerate(shapes):
             seqs = []
             for i, (n, c) in enumerate(pieces):
                 seq = Sequence(f"__calibrate_{i}", [0] * (c + n), c + n, SamplingParams(max_tokens=1))
-                if not self.block_manager.can_allocate(seq, c + n):
+                if c + n > self.max_model_len or not self.block_manager.can_allocate(seq, c + n):
                     break
                 self.block_manager.allocate(seq, c + n)
                 seq.num_computed_tokens, seq.num_scheduled_tokens = c, n

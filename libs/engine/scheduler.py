@@ -23,6 +23,16 @@ running sequence is preempted: its blocks are freed and it returns to the
 front of ``waiting`` to be recomputed (its full blocks usually stay in the
 prefix cache, so the recompute is mostly hits). The scheduler moves integers
 (token counts and block ids); it never touches tensors.
+
+Async scheduling (vLLM v1): ``advance`` moves the scheduled sequences forward
+as soon as their step is launched, counting each token that step will sample
+as in flight, so step t+1 can be scheduled while step t runs; ``update``
+fills the sampled tokens in when step t is back. A sequence whose in-flight
+token will certainly end it (max_tokens, max length, a prefill-only handoff)
+is not scheduled again. While a step is in flight nothing is preempted
+(``schedule(can_preempt=False)`` stops at the first sequence that cannot get
+blocks and sets ``blocked``); the engine then waits for the step and
+schedules again with preemption allowed.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.blocked = False  # the last schedule() stopped because it may not preempt
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; it is running already if its KV was imported."""
@@ -73,8 +84,16 @@ class Scheduler:
             fit = max(fit, self.min_chunk)
         return min(n, fit)
 
-    def schedule(self) -> list[Sequence]:
+    def _ends_after_inflight(self, seq: Sequence) -> bool:
+        """Whether the token being sampled for ``seq`` certainly finishes it."""
+        if not seq.num_inflight_tokens:
+            return False
+        num_output = len(seq) - seq.num_prompt_tokens
+        return seq.prefill_only or num_output >= seq.sampling.max_tokens or len(seq) >= self.max_model_len
+
+    def schedule(self, can_preempt: bool = True) -> list[Sequence]:
         """Pick the next step's sequences; sets ``seq.num_scheduled_tokens`` and allocates blocks."""
+        self.blocked = False
         bm = self.block_manager
         tokens_left = self.max_num_batched_tokens
         budget = self.step_time_budget_s
@@ -86,10 +105,14 @@ class Scheduler:
         self.running.clear()
         while pending and tokens_left > 0:
             seq = pending.popleft()
-            n = self._chunk(seq, tokens_left, time_left, has_prefill)
+            n = 0 if self._ends_after_inflight(seq) else self._chunk(seq, tokens_left, time_left, has_prefill)
             if n == 0:
                 self.running.append(seq)
                 continue
+            if not can_preempt and not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                self.blocked = True
+                pending.appendleft(seq)
+                break
             while not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = pending.pop() if pending else seq
                 self.preempt(victim)
@@ -143,39 +166,68 @@ class Scheduler:
         self.num_preemptions += 1
 
     # --- update -------------------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], token_ids: dict[int, int]) -> list[Sequence]:
-        """Advance every scheduled sequence by its fed tokens; append the sampled token
-        of those that completed their prompt (``token_ids`` maps index in ``seqs`` -> token).
-        Returns the sequences that finished (still holding blocks)."""
-        finished = []
+    def advance(self, seqs: list[Sequence]) -> list[int]:
+        """Launch bookkeeping: advance every scheduled sequence by its fed tokens.
+
+        Returns the indices (in ``seqs``) of the sequences whose fed tokens reach
+        their end: the step samples one token for each, counted as in flight.
+        """
+        sampling = []
         for i, seq in enumerate(seqs):
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            seq.num_inflight_steps += 1
+            if seq.num_computed_tokens == len(seq):
+                seq.num_inflight_tokens += 1
+                sampling.append(i)
             self.block_manager.cache_computed_blocks(seq)
+        return sampling
+
+    def update(self, seqs: list[Sequence], token_ids: dict[int, int]) -> list[Sequence]:
+        """A launched step is back: append the sampled token of each sequence
+        ``advance`` said samples (``token_ids`` maps index in ``seqs`` -> token)
+        and apply the stop rules. Sequences already finished (aborted, or
+        stopped by an earlier step) are skipped. Returns the sequences that
+        finished now (still holding blocks)."""
+        finished = []
+        for i, seq in enumerate(seqs):
+            seq.num_inflight_steps -= 1
             if i not in token_ids:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            seq.num_inflight_tokens -= 1
+            if seq.status == SequenceStatus.FINISHED:
                 continue
             tok = token_ids[i]
             seq.token_ids.append(tok)
+            self.block_manager.cache_computed_blocks(seq)
             sp = seq.sampling
             if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= sp.max_tokens or len(seq) >= self.max_model_len:
+            elif seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
             elif seq.prefill_only:
                 seq.finish_reason = "handoff"
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
-                self.running.remove(seq)
+                if seq in self.running:
+                    self.running.remove(seq)
                 finished.append(seq)
         return finished
 
+    def postprocess(self, seqs: list[Sequence], token_ids: dict[int, int]) -> list[Sequence]:
+        """``advance`` then ``update`` (a synchronous step)."""
+        self.advance(seqs)
+        return self.update(seqs, token_ids)
+
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a request wherever it is and free its blocks; None if unknown."""
+        """Remove a request wherever it is and free its blocks (once no launched
+        step still writes them); None if unknown."""
         for q in (self.waiting, self.running):
             for seq in q:
                 if seq.request_id == request_id:
                     q.remove(seq)
-                    self.block_manager.free(seq)
+                    if not seq.num_inflight_steps:  # else freed when its step is back
+                        self.block_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
                     return seq

@@ -20,6 +20,12 @@ class Sequence:
 
     A running sequence always has exactly one token without KV (the last one):
     the next step feeds it and samples the token after it.
+
+    Async scheduling: when a step is launched the sequence is advanced at
+    once (``num_computed_tokens`` grows by the fed tokens) and the token that
+    step will sample is counted in ``num_inflight_tokens`` until it is known,
+    so the next step can be scheduled while this one runs. ``len(seq)``
+    counts in-flight tokens; ``token_ids`` holds only known ones.
     """
 
     request_id: str
@@ -38,11 +44,16 @@ class Sequence:
     block_hashes: list[str] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
-    # Tokens fed in the step being run (set by the scheduler).
+    # Tokens fed in the step being scheduled (set by the scheduler).
     num_scheduled_tokens: int = 0
+    # Tokens sampled by launched steps whose results are not back yet.
+    num_inflight_tokens: int = 0
+    # Launched steps that include this sequence and are not back yet (its blocks
+    # are freed only when this is 0: a running forward pass may still write them).
+    num_inflight_steps: int = 0
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_inflight_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -55,7 +66,7 @@ class Sequence:
     @property
     def num_new_tokens(self) -> int:
         """Tokens still to feed before the next token can be sampled (all those without KV)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:
