@@ -32,7 +32,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-DEFAULT_SERVICES = ("tokenizer", "prefill", "decode", "gateway")
+DEFAULT_SERVICES = ("tokenizer", "kvindex", "prefill", "decode", "gateway")
 
 
 class LauncherError(RuntimeError):

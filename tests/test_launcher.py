@@ -207,7 +207,7 @@ def test_mesh_lifecycle_with_stand_ins(stand_in, tmp_path):
     mesh.command = command
     mesh.start(timeout=30, progress=steps.append)
     try:
-        assert [len(mesh.processes[s]) for s in ("tokenizer", "prefill", "decode", "gateway")] == [1, 1, 2, 1]
+        assert [len(mesh.processes[s]) for s in ("tokenizer", "kvindex", "prefill", "decode", "gateway")] == [1, 1, 1, 2, 1]
         assert [p.name for p in mesh.processes["decode"]] == ["decode-0", "decode-1"]
         assert "--foo" in mesh.processes["prefill"][0].argv
         assert mesh.gateway_url.startswith("http://127.0.0.1:")

@@ -1,95 +1,234 @@
-"""Block files on a (possibly shared) POSIX directory.
+"""Block files on a (possibly shared) POSIX directory: the synchronous store.
 
-Layout: ``<root>/<model fingerprint>/<retention class>/<key[:2]>/<key>.kvb``.
-File format (little-endian)::
-
-    magic "DIKV" | u16 format version | u32 header length | header JSON | payload
-    header: {"dtype": "float32", "shape": [...], "crc32": int, "nbytes": int}
+Layout and file format: ``deepinfer.kvstore.format`` (one file per block,
+``<root>/<model fingerprint>/<retention class>/<key[:2]>/<key>.kvb``, a header
+with magic, format version, fingerprint, key, dtype, shape, byte count and
+CRC-32, then the raw tensor bytes).
 
 Writes go to a temporary name in the same directory and are renamed into
-place (atomic on POSIX), so a reader sees a whole block or none. Readers
-verify length and CRC-32; a missing, truncated or corrupt block is a miss
-(``None``), never an exception. Any shared file system (3FS FUSE, NFS,
-CephFS) makes the tier shared across machines.
+place (atomic on POSIX), so a reader sees a whole block or none. No fsync: a
+block torn by a machine crash fails its CRC and is a miss. Readers verify the
+fingerprint, key, length and CRC-32; a missing, truncated, corrupt or foreign
+block is a miss (``None`` / ``False``), never an exception. A corrupt file
+(damaged, not merely foreign) is deleted when ``drop_corrupt`` is set, so the
+next writer replaces it. Any POSIX shared file system (3FS FUSE, NFS, CephFS)
+makes the tier shared across machines.
+
+Every method here blocks on file I/O: call them from I/O threads
+(``deepinfer.kvstore.async_store.AsyncBlockStore`` does), not the event loop.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import tempfile
 import zlib
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-MAGIC = b"DIKV"
-FORMAT_VERSION = 1
-EPHEMERAL = "ephemeral"
+from deepinfer.kvstore.format import (
+    EPHEMERAL,
+    BadBlock,
+    SUFFIX,
+    BlockHeader,
+    block_path,
+    check_name,
+    encode_header,
+    parse_header,
+)
+from deepinfer.kvstore.stats import StoreStats
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+__all__ = ["BlockStore", "EPHEMERAL", "ephemeral_key"]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8,
+)}
 
 
 def ephemeral_key(request_id: str, index: int) -> str:
     """Key of a request's partial last block (not content-addressed; deleted after use)."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in request_id)
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in request_id)
     return f"eph-{safe}-{index}"
 
 
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported block dtype {dtype}")
+    return name
+
+
 class BlockStore:
-    def __init__(self, root: str | Path, fingerprint: str):
+    """The storage tier for one model fingerprint under ``root``.
+
+    ``stats`` counts reads, hits, misses and bytes (``StoreStats``).
+    ``drop_corrupt``: delete a block file that fails verification as damaged.
+    """
+
+    def __init__(self, root: str | Path, fingerprint: str, drop_corrupt: bool = True):
         self.root = Path(root)
-        self.fingerprint = fingerprint
+        self.fingerprint = check_name(fingerprint, "fingerprint")
         self.base = self.root / fingerprint
+        self._base = str(self.base)
+        self.drop_corrupt = drop_corrupt
+        self.stats = StoreStats()
 
     def path(self, key: str, retention_class: str) -> Path:
-        return self.base / retention_class / key[:2] / f"{key}.kvb"
+        """The block's file path. Raises ValueError when key or class is not [A-Za-z0-9_-]+."""
+        return block_path(self.root, self.fingerprint, retention_class, key)
 
-    def put(self, key: str, block: torch.Tensor, retention_class: str = "chat") -> int:
-        """Write ``block`` (any shape; float32/bfloat16/float16) under ``key``. Returns bytes written."""
-        block = block.contiguous()
-        payload = block.view(torch.uint8).numpy().tobytes() if block.dtype != torch.uint8 else block.numpy().tobytes()
-        header = json.dumps({
-            "dtype": str(block.dtype).removeprefix("torch."), "shape": list(block.shape),
-            "crc32": zlib.crc32(payload), "nbytes": len(payload),
-        }).encode()
+    def _fspath(self, key: str, retention_class: str) -> str:
+        """``path`` as a string, without pathlib (reads are hot: ~10 us saved per block)."""
+        check_name(retention_class, "retention class")
+        check_name(key, "block key")
+        return f"{self._base}/{retention_class}/{key[:2]}/{key}{SUFFIX}"
+
+    # --- writing -------------------------------------------------------------
+    def put(self, key: str, block: torch.Tensor, retention_class: str = "chat",
+            num_tokens: int | None = None) -> int:
+        """Write ``block`` (any shape and device; a dtype of ``_DTYPES``) under ``key``, atomically.
+
+        ``num_tokens``: tokens the block holds, recorded in the header (the
+        kvindex counts hit rates in tokens). Returns the payload bytes written.
+        Raises OSError when the root is full, read-only or gone (counted in
+        ``stats.write_errors``; no temporary file is left), ValueError for an
+        unsafe key/class or an unsupported dtype.
+        """
         path = self.path(key, retention_class)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        dtype = _dtype_name(block.dtype)
+        block = block.detach()
+        if block.device.type != "cpu":
+            block = block.cpu()
+        block = block.contiguous()
+        payload = _byte_view(block)
+        header = encode_header(BlockHeader(
+            fingerprint=self.fingerprint, key=key, dtype=dtype, shape=list(block.shape),
+            nbytes=len(payload), crc32=zlib.crc32(payload), num_tokens=num_tokens))
+        tmp = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<HI", FORMAT_VERSION, len(header)) + header)
+                f.write(header)
                 f.write(payload)
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except OSError:
+            self.stats.add(write_errors=1)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             raise
+        self.stats.add(writes=1, bytes_written=len(payload))
         return len(payload)
 
+    # --- reading -------------------------------------------------------------
     def get(self, key: str, retention_class: str = "chat") -> torch.Tensor | None:
-        """Read a block; None when missing, truncated, of another format, or failing its checksum."""
+        """Read a block into a new CPU tensor; None when missing, truncated, corrupt or foreign."""
+        return self._read(key, retention_class, None)
+
+    def read_into(self, key: str, retention_class: str, out: torch.Tensor) -> bool:
+        """Read a block's payload straight into ``out`` (file -> ``out``'s memory, no staging copy on CPU).
+
+        ``out`` must be contiguous and have the block's exact shape and dtype;
+        on another device the block goes through one CPU staging tensor.
+        Returns True when ``out`` now holds the verified block; False for a
+        miss (missing, truncated, corrupt, other fingerprint / format, other
+        shape or dtype) -- then ``out``'s contents are unspecified (possibly
+        partly overwritten). Raises ValueError only for a non-contiguous
+        ``out`` or an unsafe key/class (caller bugs), never for the file.
+        """
+        if not out.is_contiguous():
+            raise ValueError("read_into needs a contiguous tensor")
+        staging = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
+        got = self._read(key, retention_class, staging)
+        if got is None:
+            return False
+        if staging is not out:
+            out.copy_(staging)
+        return True
+
+    def read_prefix_into(self, keys: Sequence[str], retention_class: str, out: torch.Tensor) -> int:
+        """Read ``keys[i]`` into ``out[i]`` in order, stopping at the first miss.
+
+        ``out``: contiguous ``[>= len(keys), *block_shape]``. Returns how many
+        leading blocks were loaded (0..len(keys)); ``out[n:]`` is unspecified.
+        """
+        if out.shape[0] < len(keys):
+            raise ValueError(f"out holds {out.shape[0]} blocks, {len(keys)} keys given")
+        for i, key in enumerate(keys):
+            if not self.read_into(key, retention_class, out[i]):
+                return i
+        return len(keys)
+
+    def _read(self, key: str, retention_class: str, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Verified read into ``out`` (or a new tensor); None on any miss. Counts in ``stats``."""
+        path = self._fspath(key, retention_class)
         try:
-            data = self.path(key, retention_class).read_bytes()
+            f = open(path, "rb", buffering=0)
         except OSError:
+            self.stats.add(reads=1, misses=1)
             return None
         try:
-            if data[:4] != MAGIC:
-                return None
-            version, hlen = struct.unpack("<HI", data[4:10])
-            if version != FORMAT_VERSION:
-                return None
-            header = json.loads(data[10 : 10 + hlen])
-            payload = memoryview(data)[10 + hlen :]
-            if len(payload) != header["nbytes"] or zlib.crc32(payload) != header["crc32"]:
-                return None
-            dtype = _DTYPES[header["dtype"]]
-            return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(header["shape"])
-        except (ValueError, KeyError, struct.error, RuntimeError):
+            with f:
+                dst = self._read_payload(f, key, out)
+        except BadBlock as e:
+            self.stats.add(reads=1, misses=1, corrupt=int(e.corrupt))
+            if e.corrupt and self.drop_corrupt:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             return None
+        except OSError:  # vanished or unreadable mid-read (e.g. a shared FS hiccup)
+            self.stats.add(reads=1, misses=1)
+            return None
+        self.stats.add(reads=1, hits=1, bytes_read=dst.numel() * dst.element_size())
+        return dst
 
+    def _read_payload(self, f, key: str, out: torch.Tensor | None) -> torch.Tensor:
+        h = parse_header(f)
+        if h.fingerprint != self.fingerprint or h.key != key:
+            raise BadBlock(f"block of {h.fingerprint}/{h.key}", corrupt=False)
+        dtype = _DTYPES.get(h.dtype)
+        if dtype is None:
+            raise BadBlock(f"unknown dtype {h.dtype}", corrupt=False)
+        if out is not None and (out.dtype != dtype or list(out.shape) != h.shape):
+            raise BadBlock(f"block is {h.dtype}{h.shape}, wanted {out.dtype}{list(out.shape)}", corrupt=False)
+        numel = 1
+        for n in h.shape:
+            numel *= n
+        if h.nbytes != numel * dtype.itemsize or os.fstat(f.fileno()).st_size != h.offset + h.nbytes:
+            raise BadBlock("length mismatch (truncated?)", corrupt=True)
+        dst = out if out is not None else torch.empty(h.shape, dtype=dtype)
+        view = _byte_view(dst)
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise BadBlock("truncated payload", corrupt=True)
+            got += n
+        if zlib.crc32(view) != h.crc32:
+            raise BadBlock("checksum mismatch", corrupt=True)
+        return dst
+
+    # --- other ---------------------------------------------------------------
     def contains(self, key: str, retention_class: str = "chat") -> bool:
-        return self.path(key, retention_class).exists()
+        """Whether the block's file exists (not verified)."""
+        return self.path(key, retention_class).is_file()
 
-    def delete(self, key: str, retention_class: str = "chat") -> None:
-        self.path(key, retention_class).unlink(missing_ok=True)
+    def delete(self, key: str, retention_class: str = "chat") -> bool:
+        """Remove the block's file; True if it existed. OSError other than 'missing' propagates."""
+        try:
+            self.path(key, retention_class).unlink()
+        except FileNotFoundError:
+            return False
+        return True

@@ -8,7 +8,7 @@ import os
 
 def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
-    p.add_argument("--nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),
+    p.add_argument("--nats", "--nats-url", dest="nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),
                    help="NATS URL (env DEEPINFER_NATS_URL)")
     p.add_argument("--model", default=os.environ.get("DEEPINFER_MODEL"),
                    help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")

@@ -217,6 +217,97 @@ class ErrorReply:
     kind: str = "internal"
 
 
+@message
+class KVEvent:
+    """prefill worker -> kvindex (JetStream stream ``DEEPINFER_KV_EVENTS``): the storage tier changed.
+
+    kind: "stored" (``block_hashes`` were written, or found already there,
+    under ``traffic_class``), "removed" (they are gone or corrupt: drop them
+    from the index) or "cleared" (the tier of ``fingerprint`` changed
+    wholesale: re-sync the index from the files).
+    worker_id / epoch / event_id: the sender, its process incarnation
+    (random per start) and a per-incarnation counter starting at 1, +1 per
+    event; a jump tells the index it missed events (it then re-syncs from
+    the files).
+    block_hashes: hex chained block hashes (``deepinfer.kvstore.hashing``).
+    block_bytes: payload bytes of each block file; block_tokens: tokens per
+    block; fingerprint: the model fingerprint (the files' directory).
+    """
+
+    kind: str
+    worker_id: str
+    event_id: int
+    block_hashes: list[str] = field(default_factory=list)
+    traffic_class: str = "chat"
+    block_bytes: int = 0
+    block_tokens: int = 0
+    fingerprint: str = ""
+    epoch: str = ""
+
+
+@message
+class KVLookupRequest:
+    """worker -> kvindex (queue group): how many leading blocks of this chain are stored?
+
+    hashes: the request's chained block hashes, in order. traffic_class: the
+    request's class (blocks of other classes do not count). num_tokens: the
+    prompt tokens the caller will use (hit statistics are kept in tokens:
+    hit tokens / queried tokens, per class).
+    """
+
+    hashes: list[str]
+    traffic_class: str = "chat"
+    num_tokens: int = 0
+
+
+@message
+class KVLookupReply:
+    """kvindex -> worker: the longest stored prefix, in blocks (0 = miss, also when Redis is down).
+
+    num_tokens: the tokens those blocks hold, capped at the request's
+    ``num_tokens``. redis_ok: False when the index could not be consulted.
+    """
+
+    num_blocks: int
+    num_tokens: int = 0
+    redis_ok: bool = True
+
+
+@message
+class KVIndexHealthRequest:
+    """anyone -> kvindex: report your state (``KVIndexHealth``)."""
+
+
+@message
+class KVIndexHealth:
+    """kvindex -> anyone: index state and hit statistics.
+
+    redis_ok: the index answers from Redis (False: every lookup is a miss).
+    num_blocks / total_bytes: blocks indexed and their payload bytes (-1 when
+    Redis is down). capacity_bytes: the eviction limit (0 = none).
+    events_applied / gaps / replays: KV events applied, gaps in a worker's
+    event ids seen, re-syncs from the storage tier done.
+    hit_stats: traffic class -> {"lookups", "queried_tokens", "hit_tokens"}
+    (counts since the index was created; see ``hit_rate``).
+    """
+
+    worker_id: str
+    redis_ok: bool
+    num_blocks: int = -1
+    total_bytes: int = -1
+    capacity_bytes: int = 0
+    events_applied: int = 0
+    gaps: int = 0
+    replays: int = 0
+    hit_stats: dict[str, dict] = field(default_factory=dict)
+
+    def hit_rate(self, traffic_class: str) -> float:
+        """Cached prompt tokens / prompt tokens looked up for ``traffic_class`` (0 when none)."""
+        s = self.hit_stats.get(traffic_class) or {}
+        q = s.get("queried_tokens", 0)
+        return s.get("hit_tokens", 0) / q if q else 0.0
+
+
 def _to_dict(msg) -> dict[str, Any]:
     d = dataclasses.asdict(msg)
     for name in getattr(type(msg), "NESTED", {}):

@@ -4,7 +4,8 @@ Naming: ``deepinfer.<service>.<verb>`` for request/reply served by a queue
 group (any replica answers), ``deepinfer.<service>.<worker_id>.<verb>`` for a
 message to one chosen worker, ``deepinfer.stream.<request_id>`` for a
 request's token stream back to the gateway, ``deepinfer.load.<role>.<worker_id>``
-for heartbeats / load reports.
+for heartbeats / load reports, ``deepinfer.kv.events.<worker_id>`` for KV
+events (captured by the JetStream stream ``KV_EVENTS_STREAM``).
 """
 
 PREFIX = "deepinfer"
@@ -13,11 +14,19 @@ PREFIX = "deepinfer"
 TOKENIZER_GROUP = "tokenizer"
 PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
+KVINDEX_GROUP = "kvindex"
 
 # Request/reply, served by a queue group.
 TOKENIZER_ENCODE_CHAT = f"{PREFIX}.tokenizer.encode_chat"
 PREFILL_SUBMIT = f"{PREFIX}.prefill.submit"
 DECODE_SUBMIT = f"{PREFIX}.decode.submit"
+KVINDEX_LOOKUP = f"{PREFIX}.kvindex.lookup"  # KVLookupRequest -> KVLookupReply
+KVINDEX_HEALTH = f"{PREFIX}.kvindex.health"  # KVIndexHealthRequest -> KVIndexHealth
+
+# KV events (KVEvent) of every worker, kept in a JetStream stream until the kvindex consumes them.
+KV_EVENTS_STREAM = "DEEPINFER_KV_EVENTS"
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.>"
+KV_EVENTS_CONSUMER = "kvindex"  # durable consumer shared by kvindex replicas
 
 # Broadcast (every prefill worker): abort a request whose submit reply was lost or late,
 # so whichever worker queued it drops it.
@@ -50,3 +59,8 @@ def abort(role: str, worker_id: str) -> str:
 def stream(request_id: str) -> str:
     """Per-request subject on which workers publish ``TokenChunk`` s."""
     return f"{PREFIX}.stream.{request_id}"
+
+
+def kv_events(worker_id: str) -> str:
+    """Subject a worker publishes its ``KVEvent`` s on (captured by ``KV_EVENTS_STREAM``)."""
+    return f"{PREFIX}.kv.events.{worker_id}"

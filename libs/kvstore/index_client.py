@@ -1,0 +1,149 @@
+"""A worker's side of the kvindex: prefix lookups and KV events. Never raises into the caller.
+
+    worker                                   kvindex (services/kvindex)
+    ------                                   -------
+    lookup(hashes) --KVLookupRequest (queue group kvindex)--> longest stored prefix
+                   <--KVLookupReply(num_blocks)---------------
+    publish_stored / publish_removed / publish_cleared
+                   --KVEvent--> JetStream stream DEEPINFER_KV_EVENTS --> consumed in order
+
+A lookup that times out or finds no kvindex running is a miss (0 blocks).
+Events carry this client's ``epoch`` (random per instance) and an event id
+counting 1, 2, 3 ... per epoch; a publish that fails is logged and counted
+(``publish_errors``) and its id is skipped, which the kvindex sees as a gap
+and answers by re-syncing from the storage tier.
+
+Lives in libs (not services/kvindex) because worker services use it and
+services never import each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import NoStreamResponseError, NotFoundError
+
+from deepinfer.mesh.client import MeshClient, MeshError
+from deepinfer.protocol import (
+    KVEvent,
+    KVIndexHealth,
+    KVIndexHealthRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    ProtocolError,
+    pack,
+    subjects,
+)
+from deepinfer.telemetry import get_logger, inject_headers
+
+log = get_logger(__name__)
+
+KV_EVENTS_MAX_AGE_S = 24 * 3600.0  # events older than this are dropped from the stream (the index re-syncs)
+KV_EVENTS_MAX_BYTES = 256 << 20
+
+
+async def ensure_kv_events_stream(js) -> None:
+    """Create the KV events stream if it does not exist (idempotent; an existing one is kept as is).
+
+    ``js``: a nats-py JetStream context. Raises nats errors when JetStream is
+    unavailable.
+    """
+    try:
+        await js.stream_info(subjects.KV_EVENTS_STREAM)
+        return
+    except NotFoundError:
+        pass
+    config = StreamConfig(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL],
+                          storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+                          max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES)
+    try:
+        await js.add_stream(config)
+    except Exception:  # created by another process meanwhile? then it exists now
+        await js.stream_info(subjects.KV_EVENTS_STREAM)
+
+
+class KVIndexClient:
+    """One worker's kvindex client over its ``MeshClient``.
+
+    fingerprint: the model fingerprint of the blocks this worker stores.
+    lookup_timeout_s: how long a lookup may wait before counting as a miss.
+    publish_timeout_s: how long to wait for JetStream to acknowledge an event.
+    """
+
+    def __init__(self, mesh: MeshClient, worker_id: str, fingerprint: str, lookup_timeout_s: float = 0.25,
+                 publish_timeout_s: float = 2.0):
+        self.mesh = mesh
+        self.worker_id = worker_id
+        self.fingerprint = fingerprint
+        self.lookup_timeout_s = lookup_timeout_s
+        self.publish_timeout_s = publish_timeout_s
+        self.epoch = uuid.uuid4().hex[:16]
+        self.subject = subjects.kv_events(worker_id)
+        self.publish_errors = 0
+        self.lookup_errors = 0
+        self._next_id = 1
+        self._lock = asyncio.Lock()
+        self._js = mesh.nc.jetstream()
+
+    async def lookup(self, hashes: list[str], traffic_class: str = "chat", num_tokens: int = 0) -> int:
+        """Blocks of ``hashes`` stored as a prefix (0..len(hashes)); 0 on any failure (a miss).
+
+        num_tokens: prompt tokens the caller will use (for hit rates in tokens).
+        """
+        req = KVLookupRequest(hashes=list(hashes), traffic_class=traffic_class, num_tokens=num_tokens)
+        try:
+            reply = await self.mesh.request(subjects.KVINDEX_LOOKUP, req, self.lookup_timeout_s,
+                                            expect=KVLookupReply)
+        except (MeshError, ProtocolError) as e:
+            self.lookup_errors += 1
+            log.debug("kv_lookup_failed", error=str(e))
+            return 0
+        return max(0, min(int(reply.num_blocks), len(hashes)))
+
+    async def health(self, timeout: float = 1.0) -> KVIndexHealth | None:
+        """The kvindex's health report, or None when none answers in ``timeout`` s."""
+        try:
+            return await self.mesh.request(subjects.KVINDEX_HEALTH, KVIndexHealthRequest(), timeout,
+                                           expect=KVIndexHealth)
+        except (MeshError, ProtocolError):
+            return None
+
+    async def publish_stored(self, hashes: list[str], traffic_class: str = "chat", block_bytes: int = 0,
+                             block_tokens: int = 0) -> int:
+        """Announce blocks written (or found present) under ``traffic_class``; returns the event id."""
+        return await self._publish("stored", block_hashes=list(hashes), traffic_class=traffic_class,
+                                   block_bytes=block_bytes, block_tokens=block_tokens)
+
+    async def publish_removed(self, hashes: list[str], traffic_class: str = "chat") -> int:
+        """Announce blocks gone or corrupt (the index drops them); returns the event id."""
+        return await self._publish("removed", block_hashes=list(hashes), traffic_class=traffic_class)
+
+    async def publish_cleared(self) -> int:
+        """Announce that this fingerprint's files changed wholesale (the index re-syncs); returns the event id."""
+        return await self._publish("cleared")
+
+    async def _publish(self, kind: str, **fields) -> int:
+        # NOTE: ids are assigned and published under one lock so the stream holds them in order.
+        async with self._lock:
+            event_id = self._next_id
+            self._next_id += 1
+            data = pack(KVEvent(kind=kind, worker_id=self.worker_id, event_id=event_id,
+                                fingerprint=self.fingerprint, epoch=self.epoch, **fields))
+            for attempt in (1, 2):
+                try:
+                    await self._js.publish(self.subject, data, timeout=self.publish_timeout_s,
+                                           stream=subjects.KV_EVENTS_STREAM, headers=inject_headers())
+                    return event_id
+                except Exception as e:  # no stream yet, NATS down, timeout: the index will see a gap
+                    if attempt == 1 and isinstance(e, NoStreamResponseError):
+                        try:
+                            await ensure_kv_events_stream(self._js)
+                            continue
+                        except Exception:
+                            pass
+                    self.publish_errors += 1
+                    log.warning("kv_event_publish_failed", kind=kind, event_id=event_id, error=str(e))
+                    return event_id
+        return event_id

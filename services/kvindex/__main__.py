@@ -1,0 +1,3 @@
+from deepinfer.kvindex.service import main
+
+main()

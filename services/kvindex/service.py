@@ -1,0 +1,365 @@
+"""kvindex service: which KV blocks the shared storage tier holds, over Redis.
+
+Lifecycle of what this service handles:
+  1. KV events. Workers publish ``KVEvent`` s on ``deepinfer.kv.events.<worker>``;
+     the JetStream stream ``DEEPINFER_KV_EVENTS`` keeps them until this
+     service's durable consumer (``kvindex``, shared by replicas) fetches them,
+     in order. Each event's id is checked against the worker's last one
+     (``index.classify_event_id``): a duplicate is skipped; otherwise
+     "stored" indexes the blocks (then the capacity is enforced), "removed"
+     drops them, "cleared" re-syncs the fingerprint from the files. A gap in
+     the ids also re-syncs (``maintenance.replay``). The event is acked once
+     applied; while Redis is down nothing is fetched, so events wait in the
+     stream.
+  2. Lookups. ``deepinfer.kvindex.lookup`` (queue group ``kvindex``):
+     ``KVLookupRequest(hashes, class, num_tokens)`` -> ``KVLookupReply`` with
+     the longest prefix of ``hashes`` whose blocks are all indexed under that
+     class; hit blocks' last access is touched, hit statistics (tokens) are
+     counted. Redis down -> 0 blocks at once (``redis_ok=False``); Redis
+     slower than ``lookup_timeout_s`` -> 0 blocks for that lookup.
+  3. Health. ``deepinfer.kvindex.health`` -> ``KVIndexHealth`` (redis_ok,
+     blocks, bytes, hit statistics); answered even while Redis is down.
+  4. Background: a Redis watchdog (every ``redis_check_s``: ping; after an
+     outage, or when the index lost its data, re-sync from the storage tier),
+     and a sweep every ``sweep_interval_s`` (retention per class, capacity
+     by LRU, orphan ephemeral files).
+
+All times come from ``clock`` (seconds; ``time.time`` by default), so tests
+move time without sleeping. Run one replica per Redis: replicas would share
+the durable consumer and could apply one worker's events out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Callable
+
+import redis.asyncio as aioredis
+from nats.errors import TimeoutError as NatsTimeout
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from deepinfer.kvindex import maintenance
+from deepinfer.kvindex.config import (
+    DEFAULT_RETENTION_S,
+    IndexConfig,
+    parse_duration,
+    parse_retention,
+    parse_size,
+)
+from deepinfer.kvindex.index import RedisIndex, classify_event_id
+from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME
+from deepinfer.kvstore.index_client import ensure_kv_events_stream
+from deepinfer.mesh import Service, run_service
+from deepinfer.mesh.args import service_parser
+from deepinfer.protocol import (
+    ErrorReply,
+    KVEvent,
+    KVIndexHealth,
+    KVIndexHealthRequest,
+    KVLookupReply,
+    KVLookupRequest,
+    ProtocolError,
+    subjects,
+    unpack,
+)
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+EVENT_KINDS = ("stored", "removed", "cleared")
+
+
+class KVIndexService(Service):
+    role = "kvindex"
+
+    def __init__(self, nats_url: str, redis_url: str, config: IndexConfig, worker_id: str | None = None,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(nats_url, worker_id)
+        self.redis_url = redis_url
+        self.config = config
+        self.clock = clock
+        self.redis: aioredis.Redis | None = None
+        self.index: RedisIndex | None = None
+        self.redis_ok = False
+        self.events_applied = 0
+        self.gaps = 0
+        self.replays = 0
+        self.lookup_timeouts = 0
+        self._tasks: list[asyncio.Task] = []
+        self._replay_lock = asyncio.Lock()
+        self._replay_pending: set[str | None] = set()
+        self._replay_task: asyncio.Task | None = None
+        self._maint_lock = asyncio.Lock()
+        self._stopping = False
+
+    async def setup(self) -> None:
+        self.redis = aioredis.Redis.from_url(
+            self.redis_url, decode_responses=True, socket_connect_timeout=0.5, socket_timeout=5.0,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.index = RedisIndex(self.redis, self.config.redis_prefix)
+        await self.mesh.subscribe(subjects.KVINDEX_LOOKUP, self.on_lookup, queue=subjects.KVINDEX_GROUP,
+                                  span_name="kvindex.lookup")
+        await self.mesh.subscribe(subjects.KVINDEX_HEALTH, self.on_health, queue=subjects.KVINDEX_GROUP,
+                                  span_name="kvindex.health")
+        await self.check_redis()  # first replay before taking events, when Redis is up
+        self._tasks = [asyncio.create_task(self._watch_redis()), asyncio.create_task(self._consume_events()),
+                       asyncio.create_task(self._sweep_loop())]
+
+    # --- handlers -------------------------------------------------------------------
+    async def on_lookup(self, req: KVLookupRequest):
+        if not SAFE_NAME.fullmatch(req.traffic_class or ""):
+            return ErrorReply(error=f"bad traffic class {req.traffic_class!r}", kind="bad_request")
+        if not self.redis_ok:
+            return KVLookupReply(num_blocks=0, redis_ok=False)
+        try:
+            n, tokens = await asyncio.wait_for(
+                self.index.lookup(req.traffic_class, list(req.hashes), max(0, req.num_tokens), self.clock()),
+                self.config.lookup_timeout_s)
+        except asyncio.TimeoutError:  # slow, not necessarily down: a miss; the watchdog decides about "down"
+            self.lookup_timeouts += 1
+            return KVLookupReply(num_blocks=0)
+        except (RedisError, OSError) as e:
+            self._redis_failed(e)
+            return KVLookupReply(num_blocks=0, redis_ok=False)
+        return KVLookupReply(num_blocks=n, num_tokens=tokens)
+
+    async def on_health(self, _req: KVIndexHealthRequest) -> KVIndexHealth:
+        h = KVIndexHealth(worker_id=self.worker_id, redis_ok=self.redis_ok, capacity_bytes=self.config.capacity_bytes,
+                          events_applied=self.events_applied, gaps=self.gaps, replays=self.replays)
+        if self.redis_ok:
+            try:
+                h.num_blocks, h.total_bytes, h.hit_stats = await asyncio.wait_for(asyncio.gather(
+                    self.index.num_blocks(), self.index.total_bytes(), self.index.hit_stats()), 1.0)
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+                h.redis_ok = False
+        return h
+
+    async def apply_event(self, ev: KVEvent) -> str:
+        """Apply one KV event to the index; returns its id status ("ok", "gap" or "dup").
+
+        Raises RedisError (and OSError / TimeoutError) when Redis fails: the
+        caller leaves the event in the stream for redelivery.
+        """
+        status = classify_event_id(await self.index.last_event(ev.worker_id), ev.epoch, ev.event_id)
+        if status == "dup":
+            return status
+        hashes = [h for h in ev.block_hashes if SAFE_NAME.fullmatch(h)]
+        cls_ok = bool(SAFE_NAME.fullmatch(ev.traffic_class or "")) and ev.traffic_class != EPHEMERAL
+        if ev.kind == "stored" and cls_ok and SAFE_NAME.fullmatch(ev.fingerprint or ""):
+            await self.index.store(ev.traffic_class, hashes, ev.fingerprint, ev.block_bytes,
+                                   ev.block_tokens or self.config.default_block_tokens, self.clock())
+            if self.config.capacity_bytes > 0:
+                await self.enforce_capacity()
+        elif ev.kind == "removed" and cls_ok:
+            await self.index.remove([(ev.traffic_class, h) for h in hashes])
+        elif ev.kind == "cleared":
+            self.request_replay(ev.fingerprint or None)
+        else:
+            log.warning("kv_event_ignored", kind=ev.kind, worker=ev.worker_id, traffic_class=ev.traffic_class)
+        await self.index.set_last_event(ev.worker_id, ev.epoch, ev.event_id)
+        self.events_applied += 1
+        if status == "gap":
+            self.gaps += 1
+            log.info("kv_event_gap", worker=ev.worker_id, event_id=ev.event_id)
+            self.request_replay(ev.fingerprint if SAFE_NAME.fullmatch(ev.fingerprint or "") else None)
+        return status
+
+    # --- maintenance ----------------------------------------------------------------
+    async def replay(self, fingerprint: str | None = None) -> maintenance.ReplayResult:
+        """Re-sync the index with the storage tier now (one fingerprint or all); marks the index ready."""
+        async with self._replay_lock:
+            t0 = time.monotonic()
+            result = await maintenance.replay(self.index, self.config.kv_root, self.clock(),
+                                              self.config.default_block_tokens, fingerprint)
+            if fingerprint is None:
+                await self.index.mark_ready(self.clock())
+            self.replays += 1
+            log.info("kv_index_replayed", fingerprint=fingerprint, scanned=result.scanned, added=result.added,
+                     dropped=result.dropped, seconds=round(time.monotonic() - t0, 3))
+            return result
+
+    def request_replay(self, fingerprint: str | None) -> None:
+        """Schedule a re-sync in the background (coalesced with any already pending)."""
+        self._replay_pending.add(fingerprint)
+        if self._replay_task is None or self._replay_task.done():
+            self._replay_task = asyncio.create_task(self._run_pending_replays())
+
+    async def _run_pending_replays(self) -> None:
+        while self._replay_pending:
+            fps = self._replay_pending
+            self._replay_pending = set()
+            try:
+                if None in fps:
+                    await self.replay(None)
+                else:
+                    for fp in sorted(fps):
+                        await self.replay(fp)
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)  # the watchdog replays everything once Redis is back
+                return
+
+    async def replay_idle(self) -> None:
+        """Wait until no background re-sync is pending or running (tests)."""
+        while self._replay_task is not None and not self._replay_task.done():
+            await asyncio.wait({self._replay_task})
+
+    async def enforce_capacity(self) -> int:
+        """Evict least-recently-used blocks (index + files) down to the capacity; returns how many."""
+        async with self._maint_lock:
+            removed = await maintenance.evict_to_capacity(self.index, self.config.kv_root, self.config.capacity_bytes)
+        if removed:
+            log.info("kv_evicted", blocks=len(removed))
+        return len(removed)
+
+    async def sweep(self) -> dict[str, int]:
+        """One sweep now: retention per class, then capacity, then orphan ephemeral files.
+
+        Returns counts {"expired", "evicted", "ephemeral"}. Raises RedisError
+        when Redis fails.
+        """
+        now = self.clock()
+        async with self._maint_lock:
+            expired = await maintenance.expire(self.index, self.config.kv_root, self.config.retention_of, now)
+        evicted = await self.enforce_capacity()
+        ephemeral = await maintenance.remove_orphan_ephemeral(self.config.kv_root, self.config.ephemeral_ttl_s, now)
+        if expired or ephemeral:
+            log.info("kv_swept", expired=len(expired), evicted=evicted, ephemeral=ephemeral)
+        return {"expired": len(expired), "evicted": evicted, "ephemeral": ephemeral}
+
+    async def check_redis(self) -> bool:
+        """Ping Redis; on success after an outage (or with a lost index) re-sync from the storage tier."""
+        try:
+            await asyncio.wait_for(self.redis.ping(), max(1.0, self.config.lookup_timeout_s))
+            was_ok = self.redis_ok
+            self.redis_ok = True
+            if not was_ok:
+                log.info("redis_ok", url=self.redis_url)
+            if not await self.index.is_ready():
+                await self.replay(None)
+        except _REDIS_ERRORS as e:
+            self._redis_failed(e)
+        return self.redis_ok
+
+    def _redis_failed(self, e: BaseException) -> None:
+        if self.redis_ok:
+            log.warning("redis_down", url=self.redis_url, error=f"{type(e).__name__}: {e}")
+        self.redis_ok = False
+
+    # --- background loops -------------------------------------------------------------
+    async def _watch_redis(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.redis_check_s)
+            await self.check_redis()
+
+    async def _sweep_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            if not self.redis_ok:
+                continue
+            try:
+                await self.sweep()
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+            except Exception:
+                log.exception("kv_sweep_failed")
+
+    async def _consume_events(self) -> None:
+        js = self.mesh.nc.jetstream()
+        while not self._stopping:
+            try:
+                await ensure_kv_events_stream(js)
+                psub = await js.pull_subscribe(subjects.KV_EVENTS_ALL, durable=self.config.durable,
+                                               stream=subjects.KV_EVENTS_STREAM)
+                break
+            except Exception as e:  # JetStream not reachable yet
+                log.warning("kv_events_subscribe_failed", error=str(e))
+                await asyncio.sleep(1.0)
+        else:
+            return
+        while not self._stopping:
+            if not self.redis_ok:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                msgs = await psub.fetch(batch=64, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except Exception as e:  # NATS reconnecting
+                log.debug("kv_events_fetch_failed", error=str(e))
+                await asyncio.sleep(0.5)
+                continue
+            await self._apply_batch(msgs)
+
+    async def _apply_batch(self, msgs) -> None:
+        for i, msg in enumerate(msgs):
+            try:
+                ev = unpack(msg.data, expect=KVEvent)
+            except ProtocolError as e:
+                log.warning("kv_event_undecodable", error=str(e))
+                await msg.term()
+                continue
+            try:
+                await self.apply_event(ev)
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+                for m in msgs[i:]:  # redelivered, in order, once Redis is back
+                    await m.nak(delay=self.config.redis_check_s)
+                return
+            except Exception:
+                log.exception("kv_event_failed", worker=ev.worker_id, event_id=ev.event_id)
+            await msg.ack()
+
+    # --- lifecycle ------------------------------------------------------------------
+    async def finish_inflight(self) -> None:
+        # NOTE: nats-py may turn a cancellation inside fetch() into another error, so the
+        # loops also check _stopping, and the wait is bounded.
+        self._stopping = True
+        tasks = [t for t in [*self._tasks, self._replay_task] if t is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=3.0)
+            if pending:
+                log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
+
+    async def teardown(self) -> None:
+        if self.redis is not None:
+            try:
+                await self.redis.aclose()
+            except Exception:
+                pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = service_parser("kvindex", "KV prefix index over Redis: events, lookups, retention, capacity")
+    env = os.environ.get
+    p.add_argument("--redis-url", default=env("DEEPINFER_REDIS_URL", "redis://127.0.0.1:6379"),
+                   help="Redis URL (env DEEPINFER_REDIS_URL)")
+    p.add_argument("--kv-root", default=env("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
+                   help="storage tier root directory (env DEEPINFER_KV_ROOT)")
+    default_ret = ",".join(f"{k}={v / 86400:g}d" for k, v in DEFAULT_RETENTION_S.items())
+    p.add_argument("--retention", type=parse_retention, default=parse_retention(env("DEEPINFER_KV_RETENTION", default_ret)),
+                   help=f"CLASS=DURATION,... after last use, over the defaults {default_ret} (env DEEPINFER_KV_RETENTION)")
+    p.add_argument("--default-retention", type=parse_duration, default=parse_duration(env("DEEPINFER_KV_DEFAULT_RETENTION", "7d")),
+                   help="retention of classes not listed (default 7d)")
+    p.add_argument("--capacity", type=parse_size, default=parse_size(env("DEEPINFER_KV_CAPACITY", "0")),
+                   help="bytes the storage tier may hold, e.g. 100G; LRU eviction beyond (env DEEPINFER_KV_CAPACITY; 0 = no limit)")
+    p.add_argument("--sweep-interval", type=parse_duration, default=parse_duration("60s"),
+                   help="time between retention/capacity sweeps (default 60s)")
+    p.add_argument("--ephemeral-ttl", type=parse_duration, default=parse_duration("1h"),
+                   help="age after which orphan ephemeral blocks are deleted (default 1h)")
+    p.add_argument("--block-tokens", type=int, default=int(env("DEEPINFER_BLOCK_SIZE", "16")),
+                   help="tokens per block when an event or file does not say (default 16)")
+    p.add_argument("--redis-prefix", default="deepinfer:kv:", help="prefix of this index's Redis keys")
+    args = p.parse_args(argv)
+    config = IndexConfig(kv_root=args.kv_root, retention_s={**DEFAULT_RETENTION_S, **args.retention}, default_retention_s=args.default_retention,
+                         capacity_bytes=args.capacity, sweep_interval_s=args.sweep_interval,
+                         ephemeral_ttl_s=args.ephemeral_ttl, default_block_tokens=args.block_tokens,
+                         redis_prefix=args.redis_prefix)
+    run_service(KVIndexService(args.nats, args.redis_url, config, args.worker_id), args.log_level)
