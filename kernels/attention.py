@@ -25,8 +25,13 @@ positions ``> q_pos - W`` (HF masking_utils ``sliding_window_overlay``)::
 
 ``AttentionMetadata.mask(W)`` builds that mask from the step's causal mask on
 first use and caches it per W, so every layer of a window size shares one.
-The whole context is still gathered (the torch reference trades compute for
-simplicity); only the mask changes.
+
+Sliding-window layers keep only the window's blocks (the engine's window KV
+group): a sequence's leading blocks that no query can see any more are
+released, so its window block table starts at logical block ``first_block``
+(earlier entries are -1). ``build_metadata(first_blocks=...)`` gathers from
+there: the key axis of sequence i starts at position ``first_blocks[i] *
+block_size`` (``key_positions`` holds each column's absolute position).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class AttentionMetadata:
     num_seqs: B; max_query_len: Tq_max.
     query_positions: [B, Tq_max] int64, absolute position of each query
         (0 for padded rows); needed only by ``mask(window)``.
+    key_positions: [B, L_max] int64, absolute position of each key column.
+    key_lens: keys gathered per sequence (context length minus released blocks).
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +73,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, L_max / block_size] int64, padded with block 0
     query_lens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
+    key_positions: torch.Tensor | None = None
+    key_lens: list[int] = field(default_factory=list)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None = None) -> torch.Tensor:
@@ -79,48 +88,53 @@ class AttentionMetadata:
             return self.attn_mask
         m = self._window_masks.get(window)
         if m is None:
-            kpos = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
-            recent = kpos[None, None, :] > self.query_positions[:, :, None] - window  # [B, Tq, L]
+            recent = self.key_positions[:, None, :] > self.query_positions[:, :, None] - window  # [B, Tq, L]
             m = self._window_masks[window] = self.attn_mask & recent[:, None]
         return m
 
 
 def build_metadata(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-    per_sequence: bool = False,
+    per_sequence: bool = False, first_blocks: list[int] | None = None,
 ) -> AttentionMetadata:
     """Build the step's metadata from integers.
 
     query_lens[i]: new tokens of sequence i this step; context_lens[i]: tokens
     with KV after this step (cached + new), so the new tokens sit at positions
-    ``[context_lens[i] - query_lens[i], context_lens[i])``.
+    ``[context_lens[i] - query_lens[i], context_lens[i])``. first_blocks[i]:
+    first logical block of sequence i whose KV is kept (default 0); the
+    entries of its block table before it are ignored.
     """
     b = len(query_lens)
+    first = first_blocks or [0] * b
     # Keys are gathered whole blocks at a time, so the key axis is padded to full blocks.
-    nb = -(-max(context_lens) // block_size)
+    nb = max(-(-c // block_size) - f for c, f in zip(context_lens, first))
     tq, lmax = max(query_lens), nb * block_size
-    pos = torch.arange(lmax)
     tables = torch.zeros(b, nb, dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        t = t[:nb]
-        tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    for i, (t, f) in enumerate(zip(block_tables, first)):
+        t = t[f : f + nb]
+        tables[i, : len(t)] = torch.tensor(t, dtype=torch.long).clamp(min=0)
     ctx = torch.tensor(context_lens)
     qlen = torch.tensor(query_lens)
-    valid = pos[None, :] < ctx[:, None]  # [B, L]
-    blocks = torch.gather(tables, 1, (pos // block_size)[None, :].expand(b, -1))
-    context_slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    col = torch.arange(lmax)
+    pos = torch.tensor(first)[:, None] * block_size + col[None, :]  # [B, L] absolute key positions
+    valid = pos < ctx[:, None]  # [B, L]
+    blocks = torch.gather(tables, 1, (col // block_size)[None, :].expand(b, -1))
+    context_slots = torch.where(valid, blocks * block_size + col % block_size, 0)
     # query j of seq i is at absolute position ctx_i - qlen_i + j; it sees keys <= that.
     qpos = (ctx - qlen)[:, None] + torch.arange(tq)[None, :]  # [B, Tq]
-    mask = (pos[None, None, :] <= qpos[:, :, None]) & valid[:, None, :]
+    mask = (pos[:, None, :] <= qpos[:, :, None]) & valid[:, None, :]
     qvalid = torch.arange(tq)[None, :] < qlen[:, None]
     mask &= qvalid[:, :, None]
     # padded query rows attend to key 0 so softmax stays finite (their output is discarded)
     mask[:, :, 0] |= ~qvalid
     query_index = (torch.arange(b)[:, None] * tq + torch.arange(tq)[None, :])[qvalid]
-    slot_mapping = torch.cat([context_slots[i, c - q : c] for i, (q, c) in enumerate(zip(query_lens, context_lens))])
+    key_lens = [c - f * block_size for c, f in zip(context_lens, first)]
+    slot_mapping = torch.cat([context_slots[i, k - q : k] for i, (q, k) in enumerate(zip(query_lens, key_lens))])
     return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq,
                              query_positions=torch.where(qvalid, qpos, 0), per_sequence=per_sequence,
-                             query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables)
+                             query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables,
+                             key_positions=pos, key_lens=key_lens)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -173,7 +187,7 @@ def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale:
     hkv = k_cache.shape[-2]
     mask = meta.mask(window)
     outs, start = [], 0
-    for i, (ql, cl) in enumerate(zip(meta.query_lens, meta.context_lens)):
+    for i, (ql, cl) in enumerate(zip(meta.query_lens, meta.key_lens)):
         slots = meta.context_slots[i, :cl]
         k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]

@@ -42,3 +42,15 @@ def engine_greedy(engine, prompt_ids, n, ignore_eos=True):
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     return [out[str(i)] for i in range(len(prompt_ids))]
+
+
+def hf_greedy_uncached(model, ids, n):
+    """Greedy continuation recomputing the whole sequence with transformers' forward for
+    every token (no KV cache). NOTE: for a tiny Gemma 3 with prompts longer than its
+    sliding window, ``generate`` (with transformers' sliding-window cache) was seen to
+    disagree with transformers' own uncached forward; this is the reference by definition."""
+    ids = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]

@@ -12,7 +12,8 @@ import torch
 
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
 from deepinfer.kernels.attention import build_metadata
-from model_helpers import save_tiny, prompts, hf_greedy, engine_greedy
+from deepinfer.protocol import SamplingParams
+from model_helpers import save_tiny, prompts, hf_greedy, hf_greedy_uncached, engine_greedy
 
 NEW_TOKENS = 12
 PROMPT_LENS = [5, 23, 40]
@@ -114,3 +115,85 @@ def test_real_gemma3_270m_chat_greedy_matches_transformers(gemma3_270m):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
         assert out[i] == ref, f"prompt {i}: {tok.decode(out[i])!r} vs {tok.decode(ref)!r}"
+
+
+def _step_all(engine, reqs, check=None):
+    out = {rid: [] for rid, _ in reqs}
+    for rid, ids in reqs:
+        engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        if check:
+            check(engine)
+    return out
+
+
+def test_window_layers_hold_only_the_window_blocks(gemma3):
+    """The hybrid model's sliding-window layers release blocks no query can see any more:
+    a sequence never holds more window blocks than its window (plus the step's chunk) spans,
+    while the full layers keep every block; outputs stay equal to transformers."""
+    path, hf = gemma3
+    ps = prompts(512, [60, 90])
+    engine = LLMEngine(path, EngineConfig(block_size=8, kv_cache_bytes=4 << 20, max_num_batched_tokens=16,
+                                          enable_prefix_caching=False))
+    bm = engine.block_manager
+    assert engine.runner.window_kv_cache.shape[0] == 3 and engine.runner.kv_cache.shape[0] == 1
+    peak = []
+
+    def check(engine):
+        for seq in engine.scheduler.running:
+            kept = [b for b in seq.window_block_table if b >= 0]
+            # a chunk of <= 16 new tokens plus the W - 1 keys before it: at most 4 blocks of 8
+            assert len(kept) <= -(-(16 + WINDOW - 1) // 8) + 1
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // 8) or seq.num_new_tokens
+            peak.append(len(kept))
+
+    out = _step_all(engine, [(str(i), p) for i, p in enumerate(ps)], check)
+    assert [out[str(i)] for i in range(len(ps))] == [hf_greedy_uncached(hf, p, NEW_TOKENS) for p in ps]
+    assert max(peak) >= 2 and bm.window.num_used_blocks == 0 and bm.num_used_blocks == 0
+
+
+def test_hybrid_prefix_hit_and_preemption_match_transformers(gemma3):
+    """A prefix hit on a hybrid model reuses the full layers' blocks only together with the
+    window layers' blocks of the prefix's last W tokens; a tight cache preempts and recomputes."""
+    path, hf = gemma3
+    (base,) = prompts(512, [72], seed=3)
+    other = base[:-4] + [7, 8, 9, 10]
+    engine = LLMEngine(path, EngineConfig(block_size=8, kv_cache_bytes=4 << 20))
+    _step_all(engine, [("a", base)])
+    before = engine.num_computed_tokens_total
+    out = _step_all(engine, [("b", other)])["b"]
+    assert out == hf_greedy_uncached(hf, other, NEW_TOKENS)
+    assert engine.block_manager.num_hit_tokens == 64  # 8 full blocks of the shared 68 tokens
+    assert engine.num_computed_tokens_total - before == len(other) - 64 + NEW_TOKENS - 1
+
+    tight = LLMEngine(path, EngineConfig(block_size=8, kv_cache_bytes=engine.block_bytes * 14))
+    ps = prompts(512, [40, 45, 50], seed=4)
+    out = _step_all(tight, [(str(i), p) for i, p in enumerate(ps)])
+    assert tight.scheduler.num_preemptions > 0
+    assert [out[str(i)] for i in range(len(ps))] == [hf_greedy_uncached(hf, p, NEW_TOKENS) for p in ps]
+
+
+def test_hybrid_handoff_exports_window_blocks_and_decode_continues_exactly(gemma3):
+    """Prefill-only engine -> KV export (released window blocks are zeros) -> decode engine."""
+    path, hf = gemma3
+    (p,) = prompts(512, [53], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    pre = LLMEngine(path, EngineConfig(block_size=8, kv_cache_bytes=4 << 20, prefill_only=True,
+                                       max_num_batched_tokens=16))
+    pre.add_request("a", p, sp)
+    first = []
+    while pre.has_unfinished():
+        first += pre.step()
+    (first,) = first
+    assert first.finish_reason == "handoff" and first.kv_blocks.shape[0] == 7
+    assert first.kv_blocks[0, 0].abs().sum() == 0 and first.kv_blocks[0, 2].abs().sum() > 0  # window vs full layer
+    dec = LLMEngine(path, EngineConfig(block_size=8, kv_cache_bytes=4 << 20))
+    dec.add_request("a", p, sp, output_token_ids=first.new_token_ids, kv_blocks=first.kv_blocks,
+                    num_kv_tokens=first.num_kv_tokens)
+    rest = []
+    while dec.has_unfinished():
+        for o in dec.step():
+            rest += o.new_token_ids
+    assert first.new_token_ids + rest == hf_greedy_uncached(hf, p, NEW_TOKENS)

@@ -97,22 +97,12 @@ class BlockManager:
         if not self.can_allocate(seq, num_tokens, hits):
             raise MemoryError(f"not enough free KV blocks for {num_tokens} tokens")
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
+            self._take_hit(block_id)
             seq.block_table.append(block_id)
         if hits:
             seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         for _ in range(-(-num_tokens // self.block_size) - len(seq.block_table)):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict it from the prefix cache
-                if self.cached.get(block.block_hash) == block_id:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._take_free())
 
     def record_query(self, seq: Sequence) -> None:
         """Count a new sequence's prompt and hit tokens for the hit rate (once per sequence)."""
@@ -130,17 +120,40 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 self.cached.setdefault(hashes[i], block.block_id)
 
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block joins the free queue (at the
+        head when it has no hash, so nothing reusable is evicted before it)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
+
+    def _take_free(self) -> int:
+        """Pop the LRU free block, evicting its hash from the prefix cache."""
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _take_hit(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def slide(self, seq: Sequence) -> None:
+        """Release blocks no query can see any more (only sliding-window pools have such)."""
+
     def free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks (tail first); its KV is gone (num_computed_tokens = 0)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:  # nothing to reuse: hand it out first
-                    self.free_queue[block_id] = None
-                    self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.hybrid_blocks import HybridBlockManager, WindowBlockManager
 from deepinfer.engine.cost_model import StepCostModel, features
 from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
@@ -122,12 +123,37 @@ class LLMEngine:
         dtype = DTYPES[config.dtype]
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype)
-        num_blocks = max(2, config.kv_cache_bytes // self.block_bytes)
         self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
-                                          config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, config.block_size, num_blocks, dtype, config.batch_invariant)
+        windows = [a.sliding_window for a in self.model.attention_layers]
+        num_window_layers = sum(w is not None for w in windows)
+        if 0 < num_window_layers < len(windows):  # hybrid: window layers keep only the window's blocks
+            window = max(w for w in windows if w is not None)
+            num_full_layers = len(windows) - num_window_layers
+            self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype, num_full_layers)
+            window_block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype, num_window_layers)
+            # Split the bytes by what a decoding sequence at max length holds: every block in
+            # the full layers, W + one block of tokens in the window layers. The window pool
+            # gets at least what one sequence's largest step needs (W + a full chunk), so a
+            # lone sequence can always progress.
+            held = window + config.block_size
+            share = num_window_layers * held / (num_window_layers * held + num_full_layers * self.max_model_len)
+            num_blocks = max(2, int(config.kv_cache_bytes * (1 - share)) // self.block_bytes)
+            step_blocks = -(-min(window + config.max_num_batched_tokens, self.max_model_len) // config.block_size) + 1
+            num_window_blocks = max(step_blocks, int(config.kv_cache_bytes * share) // window_block_bytes)
+            self.block_manager = HybridBlockManager(
+                num_blocks, config.block_size,
+                WindowBlockManager(num_window_blocks, config.block_size, window, self.fingerprint,
+                                   config.enable_prefix_caching),
+                self.fingerprint, config.enable_prefix_caching)
+        else:
+            self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype)
+            num_blocks, num_window_blocks = max(2, config.kv_cache_bytes // self.block_bytes), 0
+            self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
+                                              config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, config.block_size, num_blocks, dtype, config.batch_invariant,
+                                  num_window_blocks)
+        # a sequence longer than the KV cache could never finish: cap it (it ends with "length")
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, mc.eos_token_ids, self.cost_model,
@@ -175,13 +201,16 @@ class LLMEngine:
                 raise RequestError(f"KV covers {num_kv_tokens} tokens, expected {len(tokens) - 1}")
             if kv_blocks.shape[0] * self.config.block_size < num_kv_tokens:
                 raise RequestError("KV blocks do not cover num_kv_tokens")
+            seq.num_computed_tokens = num_kv_tokens  # (window pools allocate only the window)
             if self.block_manager.can_allocate(seq, len(tokens)):
                 self.block_manager.allocate(seq, len(tokens))
-                n = kv_blocks.shape[0]
-                self.runner.write_blocks(seq.block_table[:n], kv_blocks)
-                seq.num_computed_tokens = num_kv_tokens
+                if self._pool is not None:  # after the running step, which may still read released blocks
+                    self._pool.submit(self.runner.write_blocks, seq, kv_blocks).result()
+                else:
+                    self.runner.write_blocks(seq, kv_blocks)
                 seq.status = SequenceStatus.RUNNING
-            # else: no room now -> recompute from tokens when blocks free up
+            else:  # no room now -> recompute from tokens when blocks free up
+                seq.num_computed_tokens = 0
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -288,7 +317,7 @@ class LLMEngine:
                 if id(seq) in finished and seq.finish_reason == "handoff":
                     out.num_kv_tokens = len(seq.token_ids) - 1
                     n = -(-out.num_kv_tokens // self.config.block_size)
-                    out.kv_blocks = self.runner.read_blocks(seq.block_table[:n])
+                    out.kv_blocks = self.runner.read_blocks(seq, n)
                 outputs.append(out)
             if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
                 self.block_manager.free(seq)

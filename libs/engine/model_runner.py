@@ -1,11 +1,16 @@
 """The only place that builds tensors: KV cache, step inputs, forward, block copy in/out.
 
-KV cache layout (all layers in one tensor)::
+KV cache layout (one tensor per KV group)::
 
-    kv_cache: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache:        [num_full_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+    window_kv_cache: [num_window_layers, 2, num_window_blocks, block_size, num_kv_heads, head_dim]
 
-A block exported to (or imported from) the storage tier is
-``kv_cache[:, :, block_id]``: [num_layers, 2, block_size, num_kv_heads, head_dim].
+Hybrid models (full and sliding-window layers, see ``engine.hybrid_blocks``)
+have both groups, addressed by ``seq.block_table`` and
+``seq.window_block_table``; other models put every layer in ``kv_cache``.
+A block exported to (or imported from) another engine covers all layers in
+model order: [num_layers, 2, block_size, num_kv_heads, head_dim] (window
+layers' released blocks are zeros).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.engine.hybrid_blocks import NULL_BLOCK
 from deepinfer.engine.sequence import Sequence
 from deepinfer.kernels.attention import AttentionMetadata, build_metadata
 
@@ -27,28 +33,40 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: list[AttentionMetadata]  # one per KV group (full, window)
     logits_index: torch.Tensor
     placeholders: list
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, num_blocks: int, dtype: torch.dtype, batch_invariant: bool = False):
+    """``num_window_blocks`` > 0 gives the sliding-window layers of a hybrid model
+    their own pool (``window_kv_cache``, ``seq.window_block_table``)."""
+
+    def __init__(self, model, block_size: int, num_blocks: int, dtype: torch.dtype, batch_invariant: bool = False,
+                 num_window_blocks: int = 0):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.batch_invariant = batch_invariant
-        self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype
-        )
-        for i, attn in enumerate(model.attention_layers):
-            attn.k_cache = self.kv_cache[i, 0]
-            attn.v_cache = self.kv_cache[i, 1]
+        layers = model.attention_layers
+        self.hybrid = num_window_blocks > 0
+        self.window_layers = [i for i, a in enumerate(layers) if self.hybrid and a.sliding_window is not None]
+        self.full_layers = [i for i in range(len(layers)) if i not in self.window_layers]
+        shape = (2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(len(self.full_layers), shape[0], num_blocks, *shape[1:], dtype=dtype)
+        self.window_kv_cache = torch.zeros(len(self.window_layers), shape[0], num_window_blocks, *shape[1:],
+                                           dtype=dtype)
+        for group, (cache, idx) in enumerate(((self.kv_cache, self.full_layers),
+                                              (self.window_kv_cache, self.window_layers))):
+            for j, i in enumerate(idx):
+                layers[i].kv_group = group
+                layers[i].k_cache, layers[i].v_cache = cache[j, 0], cache[j, 1]
 
     @staticmethod
-    def block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV block (all layers, K and V)."""
-        return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    def block_bytes(cfg, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """Bytes of one KV block (``num_layers`` layers, default all; K and V)."""
+        layers = cfg.num_hidden_layers if num_layers is None else num_layers
+        return layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
         """Build the step's tensors: each sequence feeds its ``num_scheduled_tokens``
@@ -69,8 +87,13 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
-        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
-                              per_sequence=self.batch_invariant)
+        meta = [build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
+                               per_sequence=self.batch_invariant)]
+        if self.hybrid:
+            tables = [s.window_block_table for s in seqs]
+            first = [next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in tables]
+            meta.append(build_metadata(query_lens, context_lens, tables, self.block_size,
+                                       per_sequence=self.batch_invariant, first_blocks=first))
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                           meta, torch.tensor(query_lens).cumsum(0) - 1, placeholders)
 
@@ -91,10 +114,31 @@ class ModelRunner:
         """``prepare`` + ``execute`` for sequences without in-flight tokens: [B, V] float32."""
         return self.execute(self.prepare(seqs))
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out: [n, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return self.kv_cache[:, :, block_ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+    def read_blocks(self, seq: Sequence, n: int) -> torch.Tensor:
+        """Copy the sequence's first ``n`` blocks out:
+        [n, num_layers, 2, block_size, num_kv_heads, head_dim] (released window blocks: zeros)."""
+        full = self.kv_cache[:, :, seq.block_table[:n]]  # [Lf, 2, n, ...]
+        if not self.hybrid:
+            return full.permute(2, 0, 1, 3, 4, 5).contiguous()
+        c = self.kv_cache
+        out = c.new_zeros(n, len(self.full_layers) + len(self.window_layers), 2, *c.shape[3:])
+        out[:, self.full_layers] = full.permute(2, 0, 1, 3, 4, 5)
+        kept = [(i, b) for i, b in enumerate(seq.window_block_table[:n]) if b != NULL_BLOCK]
+        if kept:
+            rows, ids = zip(*kept)
+            win = self.window_kv_cache[:, :, list(ids)].permute(2, 0, 1, 3, 4, 5)  # [k, Lw, 2, ...]
+            out[torch.tensor(rows)[:, None], torch.tensor(self.window_layers)[None, :]] = win
+        return out
 
-    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Copy blocks in (the layout ``read_blocks`` returns)."""
-        self.kv_cache[:, :, block_ids] = blocks.permute(1, 2, 0, 3, 4, 5).to(self.kv_cache.dtype)
+    def write_blocks(self, seq: Sequence, blocks: torch.Tensor) -> None:
+        """Copy blocks in (the layout ``read_blocks`` returns) to the sequence's first
+        ``len(blocks)`` blocks; window layers only where the window table keeps a block."""
+        n = blocks.shape[0]
+        blocks = blocks.to(self.kv_cache.dtype)
+        self.kv_cache[:, :, seq.block_table[:n]] = blocks[:, self.full_layers].permute(1, 2, 0, 3, 4, 5)
+        if self.hybrid:
+            kept = [(i, b) for i, b in enumerate(seq.window_block_table[:n]) if b != NULL_BLOCK]
+            if kept:
+                rows, ids = zip(*kept)
+                win = blocks[list(rows)][:, self.window_layers]  # [k, Lw, 2, ...]
+                self.window_kv_cache[:, :, list(ids)] = win.permute(1, 2, 0, 3, 4, 5)

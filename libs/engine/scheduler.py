@@ -109,6 +109,7 @@ class Scheduler:
             if n == 0:
                 self.running.append(seq)
                 continue
+            bm.slide(seq)  # sliding-window layers drop blocks no query can see any more
             if not can_preempt and not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 self.blocked = True
                 pending.appendleft(seq)

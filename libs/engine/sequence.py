@@ -35,6 +35,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Hybrid models: the sliding-window layers' blocks (-1 = released, outside the window).
+    window_block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # Prefill-only engines stop after the first sampled token and hand off.
     prefill_only: bool = False

@@ -227,11 +227,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # GPT-OSS: one learned logit per head that joins each softmax denominator.
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
-        # Set by the model runner: this layer's views into the KV cache.
+        # Set by the model runner: this layer's views into the KV cache, and which
+        # KV group's metadata it reads (0 = full pool, 1 = sliding-window pool).
+        self.kv_group = 0
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, meta: AttentionMetadata | list[AttentionMetadata]):
+        if isinstance(meta, list):  # one per KV group
+            meta = meta[self.kv_group]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
