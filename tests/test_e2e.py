@@ -143,6 +143,22 @@ def test_official_client_raises_typed_errors(openai_client):
         openai_client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=0)
 
 
+def test_cached_tokens_are_reported_and_never_shared_across_cache_salts(openai_client):
+    """usage.prompt_tokens_details.cached_tokens reports reused KV; another tenant's salt hits nothing;
+    the traffic class comes from the field or the X-Traffic-Class header and is validated."""
+    content = "Context:\n" + PASSAGE * 6 + "\nSay one word about the context."
+    first = chat(openai_client, content, max_tokens=4, extra_body={"cache_salt": "tenant-a"})
+    again = chat(openai_client, content, max_tokens=4, extra_body={"cache_salt": "tenant-a"},
+                 extra_headers={"X-Traffic-Class": "agent"})
+    other = chat(openai_client, content, max_tokens=4, extra_body={"cache_salt": "tenant-b", "traffic_class": "agent"})
+    assert first.usage.prompt_tokens > 200
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == other.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="traffic class"):
+        chat(openai_client, content, max_tokens=4, extra_headers={"X-Traffic-Class": "batch"})
+
+
 def test_models_and_health(mesh):
     models = httpx.get(mesh.gateway_url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -259,3 +259,28 @@ def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(mo
     assert engine.peak_batch_size == 16
     same = [run_with_logprobs(engine, [(f"a{i}", ps[i], sp)])[f"a{i}"] == batched[str(i)] for i in (0, 7, 15)]
     assert all(same) if invariant else not all(same)
+
+
+def test_blocks_loaded_from_another_engine_are_prefix_hits(model_dir, prompts):
+    """``load_prefix`` (the storage tier's way in): blocks exported by engine A, loaded into
+    engine B's prefix cache, are hit by B's request, which then equals B's cold run."""
+    from deepinfer.kvstore import block_hashes
+
+    shared = prompts[2]
+    other = shared[:-5] + [504, 3575, 314, 260, 2]
+    a = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, prefill_only=True))
+    a.add_request("a", shared, GREEDY)
+    (out,) = a.step()
+    n = len(shared) // 16
+    hashes = block_hashes(shared, 16, a.fingerprint)
+    b = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20))
+    cold = run(LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20)), [("b", other, GREEDY)])["b"]
+    assert b.load_prefix(hashes, out.kv_blocks[:n]) == n
+    assert b.load_prefix(hashes, out.kv_blocks[:n]) == 0  # already cached: skipped
+    assert b.cached_prefix_blocks(hashes) == n and b.kv_tokens_used == 0  # cached, unreferenced
+    before = b.num_computed_tokens_total
+    out_b = run(b, [("b", other, GREEDY)])["b"]
+    assert out_b == cold
+    hit = (len(shared) - 5) // 16 * 16
+    assert b.block_manager.num_hit_tokens == hit
+    assert b.num_computed_tokens_total - before == len(other) - hit + len(out_b) - 1

@@ -42,14 +42,20 @@ class AsyncEngine:
         self._commands.put(("add", kwargs, fut))
         await fut
 
+    async def call(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the engine thread at a step boundary; its result or exception."""
+        fut = self._loop.create_future()
+        self._commands.put(("call", (fn, args), fut))
+        return await fut
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
-    def _resolve(self, fut, exc=None):
+    def _resolve(self, fut, exc=None, result=None):
         if fut.done():
             return
         if exc is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(exc)
 
@@ -59,8 +65,12 @@ class AsyncEngine:
             self.engine.abort(arg)
             return
         try:
-            self.engine.add_request(**arg)
-            self._loop.call_soon_threadsafe(self._resolve, fut)
+            if kind == "call":
+                fn, args = arg
+                result = fn(*args)
+            else:
+                result = self.engine.add_request(**arg)
+            self._loop.call_soon_threadsafe(self._resolve, fut, None, result)
         except Exception as e:
             self._loop.call_soon_threadsafe(self._resolve, fut, e)
 

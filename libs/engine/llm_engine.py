@@ -17,6 +17,7 @@ time between steps either way.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -212,6 +213,46 @@ class LLMEngine:
             else:  # no room now -> recompute from tokens when blocks free up
                 seq.num_computed_tokens = 0
         self.scheduler.add(seq)
+
+    def cached_prefix_blocks(self, hashes: list[str]) -> int:
+        """How many leading ``hashes`` this engine's prefix cache holds now (a hint: may
+        change before the request is scheduled)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.block_manager.cached:
+            n += 1
+        return n
+
+    def load_prefix(self, hashes: list[str], blocks: torch.Tensor) -> int:
+        """Put KV blocks loaded from the storage tier into the prefix cache, so the
+        next request with this prefix hits them (the storage tier is the prefix
+        cache's second level).
+
+        hashes: chained prefix hashes of consecutive full blocks (the first may
+        follow blocks already cached here); blocks: [n, num_layers, 2,
+        block_size, num_kv_heads, head_dim] (``read_blocks``' layout). Blocks
+        whose hash is cached already are skipped; they wait, unreferenced, at
+        the tail of the LRU free queue. Returns how many were inserted (0 for
+        hybrid sliding-window models, whose window layers' KV is not stored).
+        """
+        bm = self.block_manager
+        if isinstance(bm, HybridBlockManager) or not bm.enable_prefix_caching:
+            return 0
+        todo = [(h, i) for i, h in enumerate(hashes) if h not in bm.cached][: max(0, bm.num_free_blocks - 1)]
+        if not todo:
+            return 0
+        ids = [bm._take_free() for _ in todo]
+        tmp = Sequence("__load_prefix", [0], 1, SamplingParams(max_tokens=1))
+        tmp.block_table = ids
+        write = functools.partial(self.runner.write_blocks, tmp, blocks[[i for _, i in todo]])
+        if self._pool is not None:  # after the running step, which may still read these blocks
+            self._pool.submit(write).result()
+        else:
+            write()
+        for block_id, (h, _) in zip(ids, todo):
+            bm.blocks[block_id].block_hash = h
+            bm.cached[h] = block_id
+            bm._release(block_id)  # unreferenced, hashed: joins the free queue's tail
+        return len(todo)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks; False if it is not here."""

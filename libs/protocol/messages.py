@@ -119,6 +119,7 @@ class PrefillRequest:
     sampling: SamplingParams
     stream_subject: str
     traffic_class: str = "chat"
+    cache_salt: str | None = None  # tenant key mixed into the prefix hashes: no sharing across salts
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -142,6 +143,7 @@ class DecodeRequest:
     num_kv_tokens: int
     block_size: int
     traffic_class: str = "chat"
+    cache_salt: str | None = None
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 

@@ -55,7 +55,7 @@ class DecodeService(EngineWorker):
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv,
-                num_kv_tokens=req.num_kv_tokens if kv is not None else 0,
+                num_kv_tokens=req.num_kv_tokens if kv is not None else 0, cache_salt=req.cache_salt,
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)

@@ -122,13 +122,14 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
     check_workers(gw.registry)
+    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
 
     n = req.n or 1
     choices = [
         _Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
-                                 gw.config.timeouts),
+                                 gw.config.timeouts, traffic_class=traffic_class, cache_salt=req.cache_salt),
                 OutputProcessor(gw.model.tokenizer, req.stop_strings))
         for i in range(n)
     ]
@@ -151,6 +152,22 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
 
 
 # --- validation ----------------------------------------------------------------
+
+
+TRAFFIC_CLASS_HEADER = "X-Traffic-Class"
+SALT_MAX_CHARS = 256
+
+
+def request_traffic_class(req: oai.ChatCompletionRequest, header: str | None, allowed: tuple[str, ...]) -> str:
+    """The request's storage-tier class: the ``traffic_class`` field, else the header, else "chat".
+    Raises a 400 for a class the gateway does not know or a too-long ``cache_salt``."""
+    cls = req.traffic_class or header or "chat"
+    if cls not in allowed:
+        raise bad_request(f"unknown traffic class {cls!r}; expected one of {', '.join(allowed)}",
+                          param="traffic_class")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= SALT_MAX_CHARS:
+        raise bad_request(f"cache_salt must be 1-{SALT_MAX_CHARS} characters", param="cache_salt")
+    return cls
 
 
 def parse_request(body: bytes) -> oai.ChatCompletionRequest:

@@ -34,6 +34,8 @@ class GatewayConfig:
     tokenizer_timeout_s: float = 10.0
     timeouts: StreamTimeouts = field(default_factory=StreamTimeouts)
     min_dead_after_s: float = 3.0  # registry: a worker is dead after max(3 intervals, this)
+    # storage-tier retention classes a request may name (X-Traffic-Class header or traffic_class field)
+    traffic_classes: tuple[str, ...] = ("chat", "agent")
 
 
 @dataclass

@@ -83,6 +83,10 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    cache_salt: str | None = None  # tenant key: prompts with other salts never share cached KV
+    # DeepInfer: retention class of the prompt's KV in the storage tier (also the
+    # X-Traffic-Class header); default "chat"
+    traffic_class: str | None = None
 
     @property
     def stop_strings(self) -> list[str]:

@@ -99,8 +99,12 @@ class RequestStream:
         request_id: str,
         timeouts: StreamTimeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        traffic_class: str = "chat",
+        cache_salt: str | None = None,
     ):
         self.mesh = mesh
+        self.traffic_class = traffic_class
+        self.cache_salt = cache_salt
         self.registry = registry
         self.request_id = request_id
         self.timeouts = timeouts or StreamTimeouts()
@@ -121,7 +125,7 @@ class RequestStream:
         """Subscribe to the stream, then submit the prefill. Raises StreamError."""
         subject = subjects.stream(self.request_id)
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
-        req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject)
+        req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt)
         try:
             reply = await self.mesh.request(
                 subjects.PREFILL_SUBMIT, req, timeout=self.timeouts.submit_s, expect=SubmitReply

@@ -2,15 +2,22 @@
 
 Lifecycle of a request in this service:
   1. ``deepinfer.prefill.submit`` (queue group ``prefill``) or
-     ``deepinfer.prefill.<worker_id>.submit``: a ``PrefillRequest`` arrives;
-     it is validated and queued in the engine (reply ``SubmitReply``).
+     ``deepinfer.prefill.<worker_id>.submit``: a ``PrefillRequest`` arrives.
+     Prefix reuse from the storage tier: the prompt's chained block hashes
+     (with its ``cache_salt``) are looked up in the kvindex; the stored
+     blocks beyond what this engine caches already are read (a missing or
+     corrupt block ends the prefix there and is reported removed) and put into
+     the engine's prefix cache. Then the request is validated and queued
+     (reply ``SubmitReply``): the engine computes only the uncached tokens.
   2. Engine ``waiting`` -> a prefill step computes the prompt's KV and samples
      the first token (finish reason ``handoff``, or ``stop``/``length`` when
      the first token already ends it).
   3. The first token is published on the request's stream subject at once (TTFT).
   4. The prompt's KV blocks are written to the storage tier: full blocks under
-     their prefix hash (skipped when already there), the partial last block
-     under an ephemeral key.
+     their prefix hash (skipped when already there; announced to the kvindex
+     as stored), the partial last block under an ephemeral key. A write that
+     fails (storage full, read-only) is skipped: the blocks are then handed
+     off as a recompute (decode finds them missing), serving goes on.
   5. ``DecodeRequest`` to ``deepinfer.decode.submit`` (any decode worker);
      if no decode worker takes it, the request ends with an error chunk.
 An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` (or the broadcast
@@ -23,9 +30,11 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
+import torch
+
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
-from deepinfer.kvstore import block_hashes, ephemeral_key
+from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephemeral_key
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError
 from deepinfer.protocol import AbortRequest, DecodeRequest, PrefillRequest, SubmitReply, TokenChunk, subjects
@@ -49,6 +58,9 @@ class PrefillService(EngineWorker):
 
     async def setup(self) -> None:
         self.start_engine()
+        self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
+        self.async_store = AsyncBlockStore(self.store, io_threads=2)
+        self.num_loaded_blocks = 0  # blocks read from the storage tier into the engine
         for subject, queue in ((subjects.PREFILL_SUBMIT, subjects.PREFILL_GROUP),
                                (subjects.prefill_submit(self.worker_id), "")):
             await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="prefill.submit")
@@ -62,8 +74,13 @@ class PrefillService(EngineWorker):
         if req.request_id in self.aborted:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         try:
+            await self.load_stored_prefix(req)
+        except Exception as e:  # the cache is an optimisation: never fail a request for it
+            log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
+        try:
             await self.async_engine.add_request(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                cache_salt=req.cache_salt,
             )
         except RequestError as e:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
@@ -83,11 +100,47 @@ class PrefillService(EngineWorker):
             req = self.requests.pop(out.request_id, None)
             if req is None:  # aborted meanwhile
                 continue
-            task = asyncio.create_task(self.finish(req, out))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self.finish(req, out))
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # --- helpers ---------------------------------------------------------------
+    def prompt_hashes(self, req: PrefillRequest) -> list[str]:
+        """Chained hashes of the prompt's full blocks (the engine's own chain, with the salt)."""
+        return block_hashes(req.prompt_token_ids, self.engine.config.block_size, self.engine.fingerprint,
+                            (req.cache_salt or "").encode())
+
+    async def load_stored_prefix(self, req: PrefillRequest) -> int:
+        """Load the longest stored prefix not cached here yet into the engine's prefix cache.
+
+        At least one prompt token is always computed (its logits give the first
+        token), so a fully stored prompt loads all blocks but one. Returns the
+        number of blocks loaded.
+        """
+        bs = self.engine.config.block_size
+        hashes = self.prompt_hashes(req)[: (len(req.prompt_token_ids) - 1) // bs]
+        local = self.engine.cached_prefix_blocks(hashes)  # NOTE: a read-only hint from another thread
+        if local == len(hashes):
+            return 0
+        stored = await self.index.lookup(hashes, req.traffic_class, num_tokens=len(req.prompt_token_ids))
+        if stored <= local:
+            return 0
+        keys = hashes[local:stored]
+        e = self.engine
+        cfg = e.model_config
+        staging = torch.empty(len(keys), cfg.num_hidden_layers, 2, bs, cfg.num_key_value_heads, cfg.head_dim,
+                              dtype=e.runner.kv_cache.dtype)
+        got = await self.async_store.read_prefix_into(keys, req.traffic_class, staging)
+        if got < len(keys):  # the index named a block the tier no longer has (or a corrupt one)
+            await self.index.publish_removed([keys[got]], req.traffic_class)
+        if got:
+            got = await self.async_engine.call(e.load_prefix, keys[:got], staging[:got])
+            self.num_loaded_blocks += got
+        return got
+
     async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
                            worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
@@ -98,12 +151,16 @@ class PrefillService(EngineWorker):
             return
         await self.mesh.publish(req.stream_subject, chunk)
         try:
-            keys = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
+            keys, stored = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
+            if stored:
+                block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
+                self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes,
+                                                     self.engine.config.block_size))
             handoff = DecodeRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=out.new_token_ids, sampling=req.sampling, stream_subject=req.stream_subject,
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
-                traffic_class=req.traffic_class,
+                traffic_class=req.traffic_class, cache_salt=req.cache_salt,
             )
             reply = await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
             if not reply.accepted:
@@ -114,21 +171,29 @@ class PrefillService(EngineWorker):
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
                 finish_reason="error", error=f"handoff to decode failed: {e}"))
 
-    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> list[str]:
-        """Write the prompt's KV blocks; return their keys in order (runs on the I/O pool)."""
+    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
+        """Write the prompt's KV blocks (runs on the I/O pool). Returns (keys of all blocks
+        in order, hashes of the full blocks now in the tier). A failed write is skipped
+        (decode then recomputes from tokens)."""
         bs = self.engine.config.block_size
-        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint)
-        keys = []
+        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint,
+                            (req.cache_salt or "").encode())
+        keys, stored = [], []
         for i in range(out.kv_blocks.shape[0]):
-            if i < len(full):
-                key = full[i]
-                if not self.store.contains(key, req.traffic_class):
-                    self.store.put(key, out.kv_blocks[i], req.traffic_class)
-            else:
-                key = ephemeral_key(req.request_id, i)
-                self.store.put(key, out.kv_blocks[i], EPHEMERAL)
+            try:
+                if i < len(full):
+                    key = full[i]
+                    if not self.store.contains(key, req.traffic_class):
+                        self.store.put(key, out.kv_blocks[i], req.traffic_class, num_tokens=bs)
+                    stored.append(key)
+                else:
+                    key = ephemeral_key(req.request_id, i)
+                    self.store.put(key, out.kv_blocks[i], EPHEMERAL)
+            except OSError as e:
+                self.store.stats.write_errors += 1
+                log.warning("kv_store_write_failed", request_id=req.request_id, error=str(e))
             keys.append(key)
-        return keys
+        return keys, stored
 
     def busy(self) -> bool:
         return bool(self.requests or self._tasks)
