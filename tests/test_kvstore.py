@@ -147,7 +147,7 @@ def test_old_format_version_is_a_miss(tmp_path):
     store = BlockStore(tmp_path, "fp")
     path = store.path("aa00", "chat")
     path.parent.mkdir(parents=True)
-    body = json.dumps({"dtype": "float32", "shape": [1], "crc32": 0, "nbytes": 4}).encode()
+    body = json.dumps({"dtype": "float32", "shape": [1], "xxh3": 0, "nbytes": 4}).encode()
     path.write_bytes(MAGIC + struct.pack("<HI", FORMAT_VERSION - 1, len(body)) + body + b"\0" * 4)
     assert store.get("aa00") is None and path.exists()
     assert PREFIX.size == 10

@@ -3,12 +3,12 @@
 Layout and file format: ``deepinfer.kvstore.format`` (one file per block,
 ``<root>/<model fingerprint>/<retention class>/<key[:2]>/<key>.kvb``, a header
 with magic, format version, fingerprint, key, dtype, shape, byte count and
-CRC-32, then the raw tensor bytes).
+XXH3-64 checksum, then the raw tensor bytes).
 
 Writes go to a temporary name in the same directory and are renamed into
 place (atomic on POSIX), so a reader sees a whole block or none. No fsync: a
-block torn by a machine crash fails its CRC and is a miss. Readers verify the
-fingerprint, key, length and CRC-32; a missing, truncated, corrupt or foreign
+block torn by a machine crash fails its checksum and is a miss. Readers verify the
+fingerprint, key, length and checksum; a missing, truncated, corrupt or foreign
 block is a miss (``None`` / ``False``), never an exception. A corrupt file
 (damaged, not merely foreign) is deleted when ``drop_corrupt`` is set, so the
 next writer replaces it. Any POSIX shared file system (3FS FUSE, NFS, CephFS)
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Sequence
 
 import torch
+import xxhash
 
 from deepinfer.kvstore.format import (
     EPHEMERAL,
@@ -110,7 +110,7 @@ class BlockStore:
         payload = _byte_view(block)
         header = encode_header(BlockHeader(
             fingerprint=self.fingerprint, key=key, dtype=dtype, shape=list(block.shape),
-            nbytes=len(payload), crc32=zlib.crc32(payload), num_tokens=num_tokens))
+            nbytes=len(payload), xxh3=xxhash.xxh3_64_intdigest(payload), num_tokens=num_tokens))
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ class BlockStore:
             if not n:
                 raise BadBlock("truncated payload", corrupt=True)
             got += n
-        if zlib.crc32(view) != h.crc32:
+        if xxhash.xxh3_64_intdigest(view) != h.xxh3:
             raise BadBlock("checksum mismatch", corrupt=True)
         return dst
 
