@@ -164,6 +164,7 @@ def test_models_and_health(mesh):
     assert [m["id"] for m in models["data"]] == [MODEL]
     health = httpx.get(mesh.gateway_url + "/health")
     assert health.status_code == 200 and health.json()["workers"]["decode"] >= 1
+    assert health.json()["kv_index"]["redis_ok"] is True
 
 
 def test_killing_decode_mid_stream_ends_the_request_with_an_error(make_mesh):

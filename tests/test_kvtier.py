@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import httpx
 import pytest
 
 from deepinfer.kvstore import KVIndexClient, block_hashes, model_fingerprint
@@ -161,3 +162,5 @@ async def test_redis_down_serves_without_the_index(tier, tok):
         assert health is not None and health.redis_ok is False
     finally:
         await mc.close()
+    gateway = httpx.get(tier.gateway_url + "/health")
+    assert gateway.status_code == 200 and gateway.json()["kv_index"]["redis_ok"] is False

@@ -67,10 +67,23 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     async def health():
         counts = gw.registry.counts()
         ok = gw.mesh is not None and gw.mesh.nc.is_connected and all(counts.get(r) for r in REQUIRED_ROLES)
-        body = {"status": "ok" if ok else "unavailable", "workers": counts}
+        body = {"status": "ok" if ok else "unavailable", "workers": counts,
+                "kv_index": await _kv_index_health(gw) if gw.mesh is not None else None}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     return app
+
+
+async def _kv_index_health(gw: Gateway) -> dict:
+    """The prefix-cache index as /health shows it. A missing index or Redis down
+    degrades caching only (every lookup is a miss), so it never fails /health."""
+    from deepinfer.kvstore import KVIndexClient
+
+    h = await KVIndexClient(gw.mesh, gw.config.worker_id, "").health(timeout=0.5)
+    if h is None:
+        return {"reachable": False, "redis_ok": None}
+    return {"reachable": True, "redis_ok": h.redis_ok, "num_blocks": h.num_blocks, "total_bytes": h.total_bytes,
+            "hit_rate": {cls: round(h.hit_rate(cls), 4) for cls in h.hit_stats}}
 
 
 def _card(gw: Gateway) -> dict:
