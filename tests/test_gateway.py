@@ -333,7 +333,8 @@ async def test_without_workers_health_and_chat_answer_503():
         async with InProcessGateway(url) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
             r = await c.get("/health")
             assert r.status_code == 503
-            assert r.json() == {"status": "unavailable", "workers": {}}
+            assert r.json() == {"status": "unavailable", "workers": {},
+                                "kv_index": {"reachable": False, "redis_ok": None}}
             r = await c.post("/v1/chat/completions", json=chat_body(gw.model))
             assert_openai_error(r, 503)
             r = await c.post("/v1/chat/completions", json=chat_body(gw.model, stream=True))

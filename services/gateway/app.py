@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.chat import REQUIRED_ROLES, Gateway, create_chat_completion
+from deepinfer.gateway.chat import create_chat_completion
+from deepinfer.gateway.generate import REQUIRED_ROLES, Gateway
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
 from deepinfer.gateway.registry import WorkerRegistry

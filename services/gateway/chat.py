@@ -16,8 +16,6 @@ choice fails, the whole request fails and the others are aborted.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import json
 import math
 import time
@@ -33,52 +31,21 @@ from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.config import GatewayConfig, ModelInfo
+from deepinfer.gateway.config import ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, internal, unavailable, validation_error
-from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
-from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
+from deepinfer.gateway.generate import (REQUIRED_ROLES, Choice, Gateway, abort_all, check_workers, chunks,  # noqa: F401
+                                        failure, http_error, new_choices, open_choices, raise_if_failed,
+                                        usage_counts)
+from deepinfer.gateway.stream import ClientGone, StreamError, spawn
+from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, SamplingParams, TokenChunk, subjects
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
-REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 _FIELD_NAMES = oai.field_names()
-
-
-@dataclass
-class Gateway:
-    """What a request handler needs: settings, the model, the mesh and the worker registry."""
-
-    config: GatewayConfig
-    model: ModelInfo
-    registry: WorkerRegistry
-    mesh: MeshClient | None = None
-    token_bytes: lp.TokenBytes | None = None
-
-    def __post_init__(self):
-        if self.token_bytes is None:
-            self.token_bytes = lp.TokenBytes(self.model.tokenizer)
-
-
-@dataclass
-class _Choice:
-    """One of the ``n`` requests behind a completion: its stream, text and logprobs so far."""
-
-    index: int
-    stream: RequestStream
-    proc: OutputProcessor
-    first: TokenChunk | None = None
-    parts: list[str] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.proc.finish_reason is not None
 
 
 @dataclass
@@ -89,7 +56,7 @@ class _Reply:
     model: str
     req: oai.ChatCompletionRequest
     prompt_token_ids: list[int]
-    choices: list[_Choice]
+    choices: list[Choice]
     token_bytes: lp.TokenBytes
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -103,10 +70,7 @@ class _Reply:
         return sum(len(c.proc.token_ids) for c in self.choices)
 
     def usage(self) -> dict:
-        # NOTE: the prompt is counted once however many choices; its cached part is
-        # what every choice found cached (each choice ran its own prefill).
-        cached = min(c.proc.num_cached_tokens for c in self.choices)
-        return oai.usage(len(self.prompt_token_ids), self.completion_tokens, cached)
+        return oai.usage(*usage_counts(self.choices, len(self.prompt_token_ids)))
 
     def logprobs(self, chunk: TokenChunk) -> list[dict] | None:
         """The chunk's logprobs content entries, or None when the request did not ask."""
@@ -127,14 +91,9 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
 
     n = req.n or 1
-    choices = [
-        _Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
-                                 gw.config.timeouts, traffic_class=traffic_class, cache_salt=req.cache_salt),
-                OutputProcessor(gw.model.tokenizer, req.stop_strings))
-        for i in range(n)
-    ]
+    choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt)
     try:
-        await _open(choices, prompt_ids, sampling, request.is_disconnected)
+        await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
         return Response(status_code=499)  # nobody is listening any more
 
@@ -235,16 +194,6 @@ def logit_bias(req: oai.ChatCompletionRequest, vocab_size: int | None) -> dict[i
     return out
 
 
-def check_workers(registry: WorkerRegistry) -> None:
-    """503 at once when no tokenizer, prefill or decode worker is alive (once the registry has listened long enough)."""
-    if not registry.warm:
-        return
-    counts = registry.counts()
-    missing = [role for role in REQUIRED_ROLES if not counts.get(role)]
-    if missing:
-        raise unavailable(f"no live {' / '.join(missing)} worker")
-
-
 def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
     room = max_model_len - num_prompt_tokens
     if room <= 0:
@@ -287,14 +236,6 @@ def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_
     )
 
 
-def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index``'s parameters: its own seed (``seed + index``, wrapped to int64) when seeded."""
-    if sampling.seed is None or index == 0:
-        return sampling
-    seed = (sampling.seed + index + 2**63) % 2**64 - 2**63
-    return dataclasses.replace(sampling, seed=seed)
-
-
 # --- mesh calls ----------------------------------------------------------------
 
 
@@ -321,94 +262,15 @@ async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest)
 # --- the choices' streams -------------------------------------------------------------
 
 
-async def _open(choices: list[_Choice], prompt_ids: list[int], sampling: SamplingParams, is_disconnected) -> None:
-    """Submit every choice and wait for every first token; on any failure abort them all and raise.
-
-    NOTE: submits are not cancelled midway (a worker may have accepted one
-    whose reply we would never read, and it could not be aborted); each is
-    bounded by the submit timeout. Waits for a first token are cancelled.
-    """
-    try:
-        submits = await asyncio.gather(
-            *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index)) for c in choices),
-            return_exceptions=True,
-        )
-    except BaseException:  # cancelled
-        for c in choices:
-            spawn(c.stream.abort())
-        raise
-    failed = next((e for e in submits if isinstance(e, BaseException)), None)
-    if failed is not None:
-        await _abort_all(choices)
-        if isinstance(failed, StreamError):
-            raise _http_error(failed) from None
-        raise failed
-
-    async def first(c: _Choice) -> None:
-        c.first = await c.stream.next_chunk(is_disconnected)
-        _raise_if_failed(c.first)
-
-    tasks = [asyncio.ensure_future(first(c)) for c in choices]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException as e:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(e, (OpenAIError, StreamError, ClientGone)):
-            await _abort_all(choices)
-        else:  # cancelled: an await here could be cancelled too
-            for c in choices:
-                spawn(c.stream.abort())
-        if isinstance(e, StreamError):
-            raise _http_error(e) from None
-        raise
-
-
-async def _abort_all(choices: list[_Choice]) -> None:
-    await asyncio.gather(*(c.stream.abort() for c in choices), return_exceptions=True)
-
-
-async def _chunks(reply: _Reply, is_disconnected=None):
-    """Yield ``(choice, chunk)`` from every choice as chunks arrive, first chunks first, until all are done.
-
-    The consumer processes each chunk before the next is read (so ``choice.done``
-    is current). A ``StreamError`` or ``ClientGone`` of any choice propagates.
-    """
-    for c in reply.choices:
-        yield c, c.first
-    pending: dict[asyncio.Future, _Choice] = {}
-
-    def arm(c: _Choice) -> None:
-        task = asyncio.ensure_future(c.stream.next_chunk(is_disconnected))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception never retrieved"
-        pending[task] = c
-
-    for c in reply.choices:
-        if not c.done:
-            arm(c)
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: pending[t].index):
-                c = pending.pop(task)
-                yield c, task.result()
-                if not c.done:
-                    arm(c)
-    finally:
-        for task in pending:
-            task.cancel()
-
-
 # --- responses -------------------------------------------------------------------
 
 
 async def _collect(reply: _Reply, request: Request) -> dict:
     clean = False
     try:
-        async with aclosing(_chunks(reply, request.is_disconnected)) as chunks:
-            async for c, chunk in chunks:
-                _raise_if_failed(chunk)
+        async with aclosing(chunks(reply.choices, request.is_disconnected)) as arriving:
+            async for c, chunk in arriving:
+                raise_if_failed(chunk)
                 delta = c.proc.process(chunk)
                 c.parts.append(delta.text)
                 c.logprobs += reply.logprobs(chunk) or []
@@ -417,13 +279,13 @@ async def _collect(reply: _Reply, request: Request) -> dict:
         clean = True
     except StreamError as e:
         clean = True
-        raise _http_error(e) from None
+        raise http_error(e) from None
     except (OpenAIError, ClientGone):
         clean = True
         raise
     finally:
         if clean:
-            await _abort_all(reply.choices)
+            await abort_all(reply.choices)
         else:
             for c in reply.choices:
                 spawn(c.stream.abort())
@@ -451,12 +313,12 @@ async def _sse(reply: _Reply):
                 first["prompt_token_ids"] = reply.prompt_token_ids
             yield _event(first)
         try:
-            async with aclosing(_chunks(reply)) as chunks:
-                async for c, chunk in chunks:
-                    failure = _failure(chunk)
-                    if failure is not None:
+            async with aclosing(chunks(reply.choices)) as arriving:
+                async for c, chunk in arriving:
+                    failed = failure(chunk)
+                    if failed is not None:
                         clean = True
-                        yield _event(error_body(failure.message, failure.type, None, failure.code))
+                        yield _event(error_body(failed.message, failed.type, None, failed.code))
                         return
                     delta = c.proc.process(chunk)
                     logprobs = reply.logprobs(chunk)
@@ -490,26 +352,6 @@ async def _sse(reply: _Reply):
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def _failure(chunk: TokenChunk) -> OpenAIError | None:
-    if chunk.finish_reason == "error":
-        return internal(f"worker {chunk.worker_id} failed: {chunk.error or 'unknown error'}", code="worker_error")
-    if chunk.finish_reason == "abort":
-        return unavailable(f"worker {chunk.worker_id} aborted the request: {chunk.error or 'no reason given'}")
-    return None
-
-
-def _raise_if_failed(chunk: TokenChunk) -> None:
-    failure = _failure(chunk)
-    if failure is not None:
-        raise failure
-
-
-def _http_error(e: StreamError) -> OpenAIError:
-    if e.status == 400:
-        return bad_request(str(e), code=e.code)
-    return OpenAIError(e.status, str(e), "server_error", None, e.code)
 
 
 def _log_finished(reply: _Reply, disconnected: bool = False) -> None:

@@ -1,0 +1,208 @@
+"""Generation through the mesh, shared by every API surface.
+
+An API handler turns its request into a prompt (token ids), ``SamplingParams``
+and ``n``; ``open_choices`` submits the n choices (one ``RequestStream`` and
+``OutputProcessor`` each: ids ``<id>-0`` .. ``<id>-<n-1>``, seeds
+``seed + i``) and waits until every one has its first token, so errors can
+still be HTTP errors; ``chunks`` then yields ``(choice, chunk)`` as they
+arrive. Errors are ``OpenAIError`` (status, message, type, code); each API
+renders them in its own shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+
+from deepinfer.gateway import logprobs as lp
+from deepinfer.gateway.config import GatewayConfig, ModelInfo
+from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable
+from deepinfer.gateway.output import OutputProcessor
+from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
+from deepinfer.mesh import MeshClient
+from deepinfer.protocol import SamplingParams, TokenChunk
+
+REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
+
+
+@dataclass
+class Gateway:
+    """What a request handler needs: settings, the model, the mesh and the worker registry."""
+
+    config: GatewayConfig
+    model: ModelInfo
+    registry: WorkerRegistry
+    mesh: MeshClient | None = None
+    token_bytes: lp.TokenBytes | None = None
+
+    def __post_init__(self):
+        if self.token_bytes is None:
+            self.token_bytes = lp.TokenBytes(self.model.tokenizer)
+
+
+
+
+@dataclass
+class Choice:
+    """One of the ``n`` requests behind a completion: its stream, text and logprobs so far."""
+
+    index: int
+    stream: RequestStream
+    proc: OutputProcessor
+    first: TokenChunk | None = None
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.proc.finish_reason is not None
+
+
+
+
+def check_workers(registry: WorkerRegistry) -> None:
+    """503 at once when no tokenizer, prefill or decode worker is alive (once the registry has listened long enough)."""
+    if not registry.warm:
+        return
+    counts = registry.counts()
+    missing = [role for role in REQUIRED_ROLES if not counts.get(role)]
+    if missing:
+        raise unavailable(f"no live {' / '.join(missing)} worker")
+
+
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: its own seed (``seed + index``, wrapped to int64) when seeded."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    seed = (sampling.seed + index + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(sampling, seed=seed)
+
+
+
+
+async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: SamplingParams, is_disconnected) -> None:
+    """Submit every choice and wait for every first token; on any failure abort them all and raise.
+
+    NOTE: submits are not cancelled midway (a worker may have accepted one
+    whose reply we would never read, and it could not be aborted); each is
+    bounded by the submit timeout. Waits for a first token are cancelled.
+    """
+    try:
+        submits = await asyncio.gather(
+            *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index)) for c in choices),
+            return_exceptions=True,
+        )
+    except BaseException:  # cancelled
+        for c in choices:
+            spawn(c.stream.abort())
+        raise
+    failed = next((e for e in submits if isinstance(e, BaseException)), None)
+    if failed is not None:
+        await abort_all(choices)
+        if isinstance(failed, StreamError):
+            raise http_error(failed) from None
+        raise failed
+
+    async def first(c: Choice) -> None:
+        c.first = await c.stream.next_chunk(is_disconnected)
+        raise_if_failed(c.first)
+
+    tasks = [asyncio.ensure_future(first(c)) for c in choices]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException as e:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, (OpenAIError, StreamError, ClientGone)):
+            await abort_all(choices)
+        else:  # cancelled: an await here could be cancelled too
+            for c in choices:
+                spawn(c.stream.abort())
+        if isinstance(e, StreamError):
+            raise http_error(e) from None
+        raise
+
+
+async def abort_all(choices: list[Choice]) -> None:
+    await asyncio.gather(*(c.stream.abort() for c in choices), return_exceptions=True)
+
+
+async def chunks(choices: list[Choice], is_disconnected=None):
+    """Yield ``(choice, chunk)`` from every choice as chunks arrive, first chunks first, until all are done.
+
+    The consumer processes each chunk before the next is read (so ``choice.done``
+    is current). A ``StreamError`` or ``ClientGone`` of any choice propagates.
+    """
+    for c in choices:
+        yield c, c.first
+    pending: dict[asyncio.Future, Choice] = {}
+
+    def arm(c: Choice) -> None:
+        task = asyncio.ensure_future(c.stream.next_chunk(is_disconnected))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "exception never retrieved"
+        pending[task] = c
+
+    for c in choices:
+        if not c.done:
+            arm(c)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                c = pending.pop(task)
+                yield c, task.result()
+                if not c.done:
+                    arm(c)
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+
+
+def failure(chunk: TokenChunk) -> OpenAIError | None:
+    if chunk.finish_reason == "error":
+        return internal(f"worker {chunk.worker_id} failed: {chunk.error or 'unknown error'}", code="worker_error")
+    if chunk.finish_reason == "abort":
+        return unavailable(f"worker {chunk.worker_id} aborted the request: {chunk.error or 'no reason given'}")
+    return None
+
+
+def raise_if_failed(chunk: TokenChunk) -> None:
+    failed = failure(chunk)
+    if failed is not None:
+        raise failed
+
+
+def http_error(e: StreamError) -> OpenAIError:
+    if e.status == 400:
+        return bad_request(str(e), code=e.code)
+    return OpenAIError(e.status, str(e), "server_error", None, e.code)
+
+
+
+
+def new_choices(gw: "Gateway", request_id: str, n: int, stop: list[str], traffic_class: str = "chat",
+                cache_salt: str | None = None) -> list[Choice]:
+    """``n`` choices of one request, not submitted yet."""
+    return [
+        Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
+                                gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt),
+               OutputProcessor(gw.model.tokenizer, stop))
+        for i in range(n)
+    ]
+
+
+def usage_counts(choices: list[Choice], num_prompt_tokens: int) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens, cached prompt tokens) of a request.
+
+    NOTE: the prompt is counted once however many choices; its cached part is
+    what every choice found cached (each choice ran its own prefill).
+    """
+    completion = sum(len(c.proc.token_ids) for c in choices)
+    return num_prompt_tokens, completion, min(c.proc.num_cached_tokens for c in choices)
