@@ -1,0 +1,112 @@
+"""Tool calls parsed out of generated text (Hermes / Qwen / SmolLM2 format).
+
+The model writes a call as JSON between tags, one object or a list of them::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``ToolCallParser`` takes the text deltas as they are produced and splits them
+into plain text (emitted as content) and completed calls. Text that could be
+the start of ``<tool_call>`` is held back until it is decided, so no part of
+a tag ever leaks into the content stream; a call is released only when its
+closing tag arrives (a stream then carries each call whole, in one delta, as
+vLLM's Hermes parser does at the end of a call). Malformed JSON between the
+tags is returned as text, unchanged. The same parser serves the OpenAI chat
+and Responses APIs and Anthropic Messages, each rendering calls its own way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolCall:
+    """name: the function; arguments: a JSON object as a string (OpenAI's wire form)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def arguments_obj(self) -> dict:
+        return json.loads(self.arguments)
+
+
+def _calls(body: str) -> list[ToolCall] | None:
+    """The calls in one tag's body, or None when it is not valid call JSON."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    items = data if isinstance(data, list) else [data]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+class ToolCallParser:
+    """Incremental splitter of text and tool calls. ``enabled=False`` passes text through."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.calls: list[ToolCall] = []
+        self._buf = ""  # undecided text: a possible tag start, or an open call's body
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Add generated text; returns (text safe to emit now, calls completed now)."""
+        if not self.enabled:
+            return text, []
+        self._buf += text
+        out, done = [], []
+        while self._buf:
+            start = self._buf.find(OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buf, OPEN)
+                out.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            end = self._buf.find(CLOSE, start)
+            if end < 0:  # inside a call: wait for its end
+                out.append(self._buf[:start])
+                self._buf = self._buf[start:]
+                break
+            out.append(self._buf[:start])
+            body = self._buf[start + len(OPEN): end]
+            calls = _calls(body.strip())
+            if calls is None:
+                out.append(self._buf[start: end + len(CLOSE)])
+            else:
+                done += calls
+            self._buf = self._buf[end + len(CLOSE):]
+        self.calls += done
+        return "".join(out), done
+
+    def flush(self) -> str:
+        """End of generation: whatever is still held (an unclosed tag) is text."""
+        rest, self._buf = self._buf, ""
+        return rest
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
