@@ -97,6 +97,7 @@ class EncodeChatRequest:
     request_id: str
     messages: list[dict]
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # OpenAI function-tool schemas, rendered by the template
 
 
 @message
