@@ -58,7 +58,7 @@ HEARTBEAT_S = 0.2
 
 
 def render(messages: list[dict]) -> str:
-    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content'] or ''}<|im_end|>\n" for m in messages)
     return out + "<|im_start|>assistant\n"
 
 
@@ -97,6 +97,7 @@ class FakeWorkers:
     mesh: MeshClient
     script: Script = field(default_factory=Script)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
+    tokenizer_requests: list[EncodeChatRequest] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (subject, request_id)
     trace_ids: list[tuple[str, int]] = field(default_factory=list)  # (handler, trace_id)
     beating: dict[str, str] = field(default_factory=dict)  # worker_id -> role
@@ -126,6 +127,7 @@ class FakeWorkers:
 
     async def on_encode(self, req: EncodeChatRequest):
         self._record_trace("tokenizer")
+        self.tokenizer_requests.append(req)
         if any("TRIGGER_BAD_REQUEST" in m["content"] for m in req.messages):
             return ErrorReply(error="message content is not allowed", kind="bad_request")
         return EncodeChatReply(req.request_id, encode(render(req.messages)))
@@ -708,3 +710,73 @@ async def test_main_serves_and_stops_cleanly_on_sigterm(nats_url, workers):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --- tools ---------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL_TEXT = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+async def test_tool_calls_are_parsed_streaming_and_not_with_the_official_client(gateway, workers, script):
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    script(text=CALL_TEXT)
+    r = await client.chat.completions.create(model=gateway.model, messages=msgs, tools=TOOLS)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking."
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert workers.tokenizer_requests[-1].tools == TOOLS  # offered to the template
+
+    script(text=CALL_TEXT)
+    stream = await client.chat.completions.create(model=gateway.model, messages=msgs, tools=TOOLS, stream=True)
+    text, calls, reasons = "", [], []
+    async for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+            reasons.append(ch.finish_reason)
+    assert text == "Checking." and "<" not in text
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert reasons[-1] == "tool_calls"
+
+    # the call and its result go back into the conversation
+    script(text="It is sunny.")
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    r = await client.chat.completions.create(model=gateway.model, messages=follow, tools=TOOLS)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "It is sunny."
+    sent = workers.tokenizer_requests[-1].messages
+    assert sent[1]["tool_calls"][0]["function"]["name"] == "get_weather" and sent[2]["tool_call_id"] == call.id
+
+    # tool_choice "none": no parsing, the text is the text
+    script(text=CALL_TEXT)
+    r = await client.chat.completions.create(model=gateway.model, messages=msgs, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == CALL_TEXT and not r.choices[0].message.tool_calls
+    await client.close()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # without tools
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS * 2}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}], "user": 5}, "user"),
+])
+async def test_unsupported_or_malformed_tool_and_format_requests_are_400(client, gateway, workers, extra, param):
+    before = len(workers.prefill_requests)
+    body = {**chat_body(gateway.model), **extra}
+    r = await client.post("/v1/chat/completions", json=body)
+    err = assert_openai_error(r, 400)
+    assert err["param"] == param, err
+    assert len(workers.prefill_requests) == before

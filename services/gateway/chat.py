@@ -37,6 +37,7 @@ from deepinfer.gateway.generate import (REQUIRED_ROLES, Choice, Gateway, abort_a
                                         failure, http_error, new_choices, open_choices, raise_if_failed,
                                         usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, SamplingParams, TokenChunk, subjects
 from deepinfer.telemetry import get_logger
@@ -92,6 +93,8 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
 
     n = req.n or 1
     choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt)
+    for c in choices:
+        c.tool_parser = ToolCallParser(enabled=bool(req.tools) and req.tool_choice != "none")
     try:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
@@ -175,6 +178,19 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
     if req.min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
     logit_bias(req, model.vocab_size)
+    # NOTE: forcing JSON or a tool call needs grammar-constrained decoding (issue #9); until it
+    # lands these are refused rather than silently not enforced.
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format {req.response_format.type!r} needs structured output, which this "
+                          "server does not support yet; use 'text'", param="response_format")
+    if req.tool_choice is not None and not req.tools:
+        raise bad_request("tool_choice is only allowed when tools are specified", param="tool_choice")
+    if req.tool_choice == "required" or isinstance(req.tool_choice, oai.NamedToolChoice):
+        raise bad_request("tool_choice 'required' or a named function needs structured output, which this "
+                          "server does not support yet; use 'auto' or 'none'", param="tool_choice")
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
 
 
 def logit_bias(req: oai.ChatCompletionRequest, vocab_size: int | None) -> dict[int, float]:
@@ -240,7 +256,8 @@ def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_
 
 
 async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest) -> list[int]:
-    msg = EncodeChatRequest(request_id, [m.to_template() for m in req.messages])
+    tools = [t.to_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    msg = EncodeChatRequest(request_id, [m.to_template() for m in req.messages], tools=tools)
     timeout = gw.config.tokenizer_timeout_s
     try:
         reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
@@ -272,7 +289,10 @@ async def _collect(reply: _Reply, request: Request) -> dict:
             async for c, chunk in arriving:
                 raise_if_failed(chunk)
                 delta = c.proc.process(chunk)
-                c.parts.append(delta.text)
+                text, _ = c.tool_parser.feed(delta.text)
+                c.parts.append(text)
+                if delta.finish_reason:
+                    c.parts.append(c.tool_parser.flush())
                 c.logprobs += reply.logprobs(chunk) or []
                 if delta.finish_reason:
                     await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
@@ -292,9 +312,9 @@ async def _collect(reply: _Reply, request: Request) -> dict:
         _log_finished(reply)
     want_ids = reply.req.return_token_ids
     choices = [
-        oai.choice(c.index, "".join(c.parts), c.proc.finish_reason,
+        oai.choice(c.index, "".join(c.parts), _finish_reason(c),
                    logprobs=c.logprobs if reply.req.logprobs else None,
-                   token_ids=c.proc.token_ids if want_ids else None)
+                   token_ids=c.proc.token_ids if want_ids else None, calls=c.tool_parser.calls)
         for c in reply.choices
     ]
     return oai.chat_completion(reply.id, reply.created, reply.model, choices, reply.usage(),
@@ -322,12 +342,19 @@ async def _sse(reply: _Reply):
                         return
                     delta = c.proc.process(chunk)
                     logprobs = reply.logprobs(chunk)
-                    if delta.text or delta.finish_reason or (want_ids and delta.token_ids) or logprobs:
+                    before = len(c.tool_parser.calls)
+                    text, calls = c.tool_parser.feed(delta.text)
+                    if delta.finish_reason:
+                        text += c.tool_parser.flush()
+                    message = {"content": text} if text else {}
+                    if calls:
+                        message["tool_calls"] = oai.tool_calls(calls, before, stream=True)
+                    if message or delta.finish_reason or (want_ids and delta.token_ids) or logprobs:
                         yield _event(oai.chat_chunk(
                             reply.id, reply.created, reply.model,
-                            {"content": delta.text} if delta.text else {},
+                            message,
                             index=c.index,
-                            finish_reason=delta.finish_reason,
+                            finish_reason=_finish_reason(c) if delta.finish_reason else None,
                             logprobs=logprobs,
                             token_ids=delta.token_ids if want_ids else None,
                             with_usage_field=usage_field,
@@ -348,6 +375,13 @@ async def _sse(reply: _Reply):
         for c in reply.choices:
             spawn(c.stream.abort())
         _log_finished(reply, disconnected=not clean)
+
+
+def _finish_reason(c: Choice) -> str | None:
+    """``tool_calls`` when the model ended its turn after calling tools, else the choice's reason."""
+    if c.tool_parser.calls and c.proc.finish_reason == "stop":
+        return "tool_calls"
+    return c.proc.finish_reason
 
 
 def _event(obj: dict) -> str:

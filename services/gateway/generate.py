@@ -21,6 +21,7 @@ from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavail
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
+from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import SamplingParams, TokenChunk
 
@@ -54,6 +55,8 @@ class Choice:
     first: TokenChunk | None = None
     parts: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # tool calls split out of the text (off unless the API request offered tools)
+    tool_parser: ToolCallParser = field(default_factory=lambda: ToolCallParser(enabled=False))
 
     @property
     def done(self) -> bool:

@@ -39,19 +39,76 @@ class ContentPart(_Strict):
         return self
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's wire form)
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant turn, sent back in ``messages``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def to_template(self) -> dict:
-        """The ``{"role", "content"}`` map the tokenizer's chat template expects."""
-        role = "system" if self.role == "developer" else self.role
+        """The message as the tokenizer's chat template takes it (OpenAI's shape, text content)."""
         if isinstance(self.content, list):
             text = "\n".join(p.text or "" for p in self.content)
         else:
             text = self.content or ""
-        return {"role": role, "content": text}
+        # "developer" is OpenAI's new name for system instructions; templates know "system"
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class FunctionSpec(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def to_template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: dict
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 class StreamOptions(_Strict):
@@ -83,6 +140,11 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
     cache_salt: str | None = None  # tenant key: prompts with other salts never share cached KV
     # DeepInfer: retention class of the prompt's KV in the storage tier (also the
     # X-Traffic-Class header); default "chat"
@@ -102,7 +164,8 @@ class ChatCompletionRequest(_Strict):
 def field_names() -> set[str]:
     """Every field name of the request models (to name ``param`` in validation errors)."""
     names: set[str] = set()
-    for model in (ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions):
+    for model in (ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, ToolCallIn, FunctionCall, ToolSpec,
+                  FunctionSpec, ResponseFormat):
         names |= set(model.model_fields)
     return names
 
@@ -119,17 +182,31 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def tool_calls(calls: list, first_index: int = 0, stream: bool = False) -> list[dict]:
+    """``ToolCall`` s in OpenAI's wire form (with ``index`` in a stream delta)."""
+    out = []
+    for i, c in enumerate(calls):
+        item = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        out.append({"index": first_index + i, **item} if stream else item)
+    return out
+
+
 def choice(
     index: int,
     text: str,
     finish_reason: str,
     logprobs: list[dict] | None = None,
     token_ids: list[int] | None = None,
+    calls: list | None = None,
 ) -> dict:
-    """One ``choices[]`` entry of a non-streamed completion; ``logprobs``: content entries, or None."""
+    """One ``choices[]`` entry of a non-streamed completion; ``logprobs``: content entries, or None;
+    ``calls``: parsed tool calls (content is then null when no text came with them)."""
+    message = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = tool_calls(calls)
     out = {
         "index": index,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
         "finish_reason": finish_reason,
     }
