@@ -780,3 +780,59 @@ async def test_unsupported_or_malformed_tool_and_format_requests_are_400(client,
     err = assert_openai_error(r, 400)
     assert err["param"] == param, err
     assert len(workers.prefill_requests) == before
+
+
+# --- /v1/completions ----------------------------------------------------------------------
+
+
+async def test_completions_with_the_official_client_streaming_and_not(gateway, workers, script):
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    script(text="Paris is lovely. STOP here")
+    r = await client.completions.create(model=gateway.model, prompt="The capital of France is", max_tokens=20,
+                                        stop=[" STOP"], logprobs=2)
+    (ch,) = r.choices
+    assert r.object == "text_completion" and ch.text == "Paris is lovely." and ch.finish_reason == "stop"
+    assert workers.prefill_requests[-1].prompt_token_ids == TOKENIZER.encode("The capital of France is").ids
+    assert r.usage.prompt_tokens == len(TOKENIZER.encode("The capital of France is").ids)
+    sp = workers.prefill_requests[-1].sampling
+    assert sp.logprobs and sp.top_logprobs == 2  # (the logprobs' shape: test_gateway_sampling)
+
+    script(text="Paris is lovely.", eos=False)
+    stream = await client.completions.create(model=gateway.model, prompt=[1, 2, 3], max_tokens=4, stream=True,
+                                             echo=True, stream_options={"include_usage": True})
+    text, usage, reasons = "", None, []
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            reasons.append(c.finish_reason)
+        usage = chunk.usage or usage
+    assert workers.prefill_requests[-1].prompt_token_ids == [1, 2, 3]
+    assert workers.prefill_requests[-1].sampling.max_tokens == 4
+    assert text == TOKENIZER.decode([1, 2, 3]) + "Paris is lovely." and reasons[-1] == "length"
+    assert usage.prompt_tokens == 3 and usage.completion_tokens == len(encode("Paris is lovely."))
+
+    script(text="x")
+    await client.completions.create(model=gateway.model, prompt="hi")
+    assert workers.prefill_requests[-1].sampling.max_tokens == 16  # the endpoint's default
+    await client.close()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "suffix": "end"}, "suffix"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "logprobs": 9}, "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": [-1, 5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "word " * 300}, "prompt"),  # longer than the context
+])
+async def test_completions_bad_input_is_400_naming_the_param(client, gateway, workers, body, param):
+    before = len(workers.prefill_requests)
+    r = await client.post("/v1/completions", json={"model": gateway.model, **body})
+    err = assert_openai_error(r, 400)
+    assert err["param"] == param, err
+    assert len(workers.prefill_requests) == before

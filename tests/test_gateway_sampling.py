@@ -291,3 +291,20 @@ async def test_a_failing_choice_fails_the_request_and_aborts_the_others(client, 
     assert "out of KV blocks" in err["message"]
     survivor = next(q.request_id for q in workers.prefill_requests[before:] if q.request_id.endswith("-0"))
     await eventually(lambda: any(rid == survivor for _, rid in workers.aborts))
+
+
+async def test_completions_logprobs_have_the_legacy_shape(oai_client, gateway, script):
+    script(text="Hi there")
+    ids = encode("Hi there") + [EOS]
+    r = await oai_client.completions.create(model=gateway.model, prompt="Say hi", logprobs=2, max_tokens=20)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "Hi there"
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == "Hi there" + EOS_TEXT
+    assert lp.token_logprobs == [-0.25 * i for i in range(len(ids))]
+    # (the last token is EOS itself: a dict keyed by token text holds it once)
+    assert [list(t.values()) for t in lp.top_logprobs[:-1]] == [[-0.25 * i, -1.5] for i in range(len(ids) - 1)]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    stream = await oai_client.completions.create(model=gateway.model, prompt="Say hi", logprobs=2, max_tokens=20,
+                                                 stream=True)
+    streamed = [t async for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == lp.tokens

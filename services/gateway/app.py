@@ -1,6 +1,7 @@
 """FastAPI app: routes, the NATS connection's lifespan, and a root trace span per HTTP request.
 
-Routes: POST /v1/chat/completions (``chat.py``), GET /v1/models,
+Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
+(``completions.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
 worker are alive, else 503; the body counts live workers by role).
 """
@@ -15,6 +16,7 @@ from opentelemetry import trace
 
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.chat import create_chat_completion
+from deepinfer.gateway.completions import create_completion
 from deepinfer.gateway.generate import REQUIRED_ROLES, Gateway
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
@@ -53,6 +55,10 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await create_chat_completion(request, gw)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(request, gw)
 
     @app.get("/v1/models")
     async def list_models():

@@ -120,7 +120,7 @@ TRAFFIC_CLASS_HEADER = "X-Traffic-Class"
 SALT_MAX_CHARS = 256
 
 
-def request_traffic_class(req: oai.ChatCompletionRequest, header: str | None, allowed: tuple[str, ...]) -> str:
+def request_traffic_class(req: oai.SamplingRequest, header: str | None, allowed: tuple[str, ...]) -> str:
     """The request's storage-tier class: the ``traffic_class`` field, else the header, else "chat".
     Raises a 400 for a class the gateway does not know or a too-long ``cache_salt``."""
     cls = req.traffic_class or header or "chat"
@@ -140,20 +140,38 @@ def parse_request(body: bytes) -> oai.ChatCompletionRequest:
 
 
 def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
-    if req.model is not None and req.model != model.served_name:
-        raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
-    if req.n is not None and not (1 <= req.n <= MAX_N):
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     if req.top_logprobs is not None:
         if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
             raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
                               param="top_logprobs")
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    validate_sampling(req, model)
+    # NOTE: forcing JSON or a tool call needs grammar-constrained decoding (issue #9); until it
+    # lands these are refused rather than silently not enforced.
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(f"response_format {req.response_format.type!r} needs structured output, which this "
+                          "server does not support yet; use 'text'", param="response_format")
+    if req.tool_choice is not None and not req.tools:
+        raise bad_request("tool_choice is only allowed when tools are specified", param="tool_choice")
+    if req.tool_choice == "required" or isinstance(req.tool_choice, oai.NamedToolChoice):
+        raise bad_request("tool_choice 'required' or a named function needs structured output, which this "
+                          "server does not support yet; use 'auto' or 'none'", param="tool_choice")
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+
+
+def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:
+    """Checks shared by the OpenAI endpoints; raises a 400 (404 for an unknown model) naming the param."""
+    if req.model is not None and req.model != model.served_name:
+        raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+    if req.n is not None and not (1 <= req.n <= MAX_N):
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     for name in ("max_completion_tokens", "max_tokens"):
-        value = getattr(req, name)
+        value = getattr(req, name, None)
         if value is not None and value <= 0:
             raise bad_request(f"{name} must be at least 1, got {value}", param=name)
     if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
@@ -178,22 +196,9 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
     if req.min_tokens < 0:
         raise bad_request(f"min_tokens must be >= 0, got {req.min_tokens}", param="min_tokens")
     logit_bias(req, model.vocab_size)
-    # NOTE: forcing JSON or a tool call needs grammar-constrained decoding (issue #9); until it
-    # lands these are refused rather than silently not enforced.
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} needs structured output, which this "
-                          "server does not support yet; use 'text'", param="response_format")
-    if req.tool_choice is not None and not req.tools:
-        raise bad_request("tool_choice is only allowed when tools are specified", param="tool_choice")
-    if req.tool_choice == "required" or isinstance(req.tool_choice, oai.NamedToolChoice):
-        raise bad_request("tool_choice 'required' or a named function needs structured output, which this "
-                          "server does not support yet; use 'auto' or 'none'", param="tool_choice")
-    names = [t.function.name for t in req.tools or []]
-    if len(set(names)) != len(names):
-        raise bad_request("tool function names must be unique", param="tools")
 
 
-def logit_bias(req: oai.ChatCompletionRequest, vocab_size: int | None) -> dict[int, float]:
+def logit_bias(req: oai.SamplingRequest, vocab_size: int | None) -> dict[int, float]:
     """``logit_bias`` with int keys; 400 for a key that is not a token id or a value outside [-100, 100]."""
     out: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
@@ -210,17 +215,26 @@ def logit_bias(req: oai.ChatCompletionRequest, vocab_size: int | None) -> dict[i
     return out
 
 
-def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_len: int,
+                    logprobs: bool | None = None, top_logprobs: int = 0, prompt_param: str = "messages",
+                    default_max_tokens: int | None = None) -> SamplingParams:
+    """The request's ``SamplingParams``; raises a 400 ``context_length_exceeded`` when the prompt
+    (or prompt + requested tokens) does not fit. ``logprobs``/``top_logprobs`` default to the
+    chat request's fields; ``default_max_tokens`` None = all the room left."""
+    if logprobs is None:
+        logprobs, top_logprobs = bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0
     room = max_model_len - num_prompt_tokens
     if room <= 0:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens, "
-            f"but the messages have {num_prompt_tokens} tokens.",
-            param="messages",
+            f"but the {prompt_param} have {num_prompt_tokens} tokens.",
+            param=prompt_param,
             code="context_length_exceeded",
         )
-    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     requested = getattr(req, name)
+    if requested is None and default_max_tokens is not None:
+        requested = min(default_max_tokens, room)
     if requested is not None and requested > room:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens, but you requested "
@@ -247,8 +261,8 @@ def sampling_params(req: oai.ChatCompletionRequest, num_prompt_tokens: int, max_
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias(req, None),
         min_tokens=req.min_tokens,
-        logprobs=bool(req.logprobs),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 

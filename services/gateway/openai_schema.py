@@ -115,11 +115,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Strict):
-    messages: list[ChatMessage]
+class SamplingRequest(_Strict):
+    """Fields every OpenAI generation endpoint shares (chat and legacy completions)."""
+
     model: str | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -130,8 +130,7 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    user: str | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -140,15 +139,41 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    user: str | None = None
     cache_salt: str | None = None  # tenant key: prompts with other salts never share cached KV
     # DeepInfer: retention class of the prompt's KV in the storage tier (also the
     # X-Traffic-Class header); default "chat"
     traffic_class: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    """``/v1/completions`` (legacy): a raw prompt, no chat template."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None  # top alternatives per token, 0-5
+    suffix: str | None = None
+    best_of: int | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -164,8 +189,8 @@ class ChatCompletionRequest(_Strict):
 def field_names() -> set[str]:
     """Every field name of the request models (to name ``param`` in validation errors)."""
     names: set[str] = set()
-    for model in (ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions, ToolCallIn, FunctionCall, ToolSpec,
-                  FunctionSpec, ResponseFormat):
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions, ToolCallIn,
+                  FunctionCall, ToolSpec, FunctionSpec, ResponseFormat):
         names |= set(model.model_fields)
     return names
 
@@ -276,6 +301,15 @@ def usage_chunk(completion_id: str, created: int, model: str, usage_block: dict)
         "choices": [],
         "usage": usage_block,
     }
+
+
+def completion(completion_id: str, created: int, model: str, choices: list[dict], usage_block: dict) -> dict:
+    return {"id": completion_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_block}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def model_card(model_id: str, root: str, max_model_len: int, created: int | None = None) -> dict:
