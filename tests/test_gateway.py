@@ -836,3 +836,20 @@ async def test_completions_bad_input_is_400_naming_the_param(client, gateway, wo
     err = assert_openai_error(r, 400)
     assert err["param"] == param, err
     assert len(workers.prefill_requests) == before
+
+
+async def test_request_body_over_the_limit_is_413_in_each_apis_shape(client, gateway):
+    big = b"x" * ((32 << 20) + 1)
+    r = await client.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, code="request_too_large")
+
+    async def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(33):
+            yield b" " * (1 << 20)
+
+    r = await client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_openai_error(r, 413, code="request_too_large")
+    r = await client.post("/v1/messages", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "request_too_large"
+    assert (await client.get("/health")).status_code == 200  # still healthy

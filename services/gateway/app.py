@@ -18,6 +18,7 @@ from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
 from deepinfer.gateway.generate import REQUIRED_ROLES, Gateway
+from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
 from deepinfer.gateway.registry import WorkerRegistry
@@ -51,6 +52,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     app.state.gateway = gw
     install_error_handlers(app, oai.field_names())
     app.add_middleware(RootSpanMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -36,6 +36,11 @@ class GatewayConfig:
     min_dead_after_s: float = 3.0  # registry: a worker is dead after max(3 intervals, this)
     # storage-tier retention classes a request may name (X-Traffic-Class header or traffic_class field)
     traffic_classes: tuple[str, ...] = ("chat", "agent")
+    max_body_bytes: int = 32 << 20  # larger request bodies get 413
+    # Redis for stored responses (/v1/responses ``store`` / ``previous_response_id``); None = no storage
+    redis_url: str | None = None
+    # largest request body (bytes) the Responses and Anthropic Messages endpoints read; larger -> 413
+    max_request_bytes: int = 32 * 2**20
 
 
 @dataclass
