@@ -70,6 +70,23 @@ def test_greedy_matches_transformers_token_for_token(openai_client, hf_model):
     assert min(lengths) >= 20 and max(lengths) <= 500 and max(lengths) > 400, lengths
 
 
+def test_completions_greedy_matches_transformers_and_streams_the_same_text(openai_client, hf_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(progress=False))
+    prompt = "The three primary colors are"
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    done = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == 16
+    assert done.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+    stream = openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == done.choices[0].text
+
+
 def test_streamed_deltas_concatenate_to_the_non_streamed_text(openai_client):
     content = "Write two sentences about the moon, with an emoji."
     full = chat(openai_client, content, max_tokens=48).choices[0].message.content

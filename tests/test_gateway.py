@@ -378,6 +378,7 @@ async def test_invalid_fields_are_400_naming_the_param(client, workers, body, pa
         err = assert_openai_error(r, 400, param=param)
         assert err["type"] == "invalid_request_error"
     assert len(workers.prefill_requests) == before  # nothing reached a worker
+    assert (await client.get("/health")).status_code == 200
 
 
 async def test_invalid_json_and_non_object_bodies_are_400(client):
@@ -836,6 +837,23 @@ async def test_completions_bad_input_is_400_naming_the_param(client, gateway, wo
     err = assert_openai_error(r, 400)
     assert err["param"] == param, err
     assert len(workers.prefill_requests) == before
+
+
+async def test_completions_stream_equals_non_stream_with_unicode_and_a_stop_string(gateway, script):
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    for per_chunk in (1, 3):
+        script(text=UNICODE_TEXT + " tail", tokens_per_chunk=per_chunk)
+        done = await client.completions.create(model=gateway.model, prompt="x", max_tokens=50, stop=["! ✨"])
+        script(text=UNICODE_TEXT + " tail", tokens_per_chunk=per_chunk)
+        stream = await client.completions.create(model=gateway.model, prompt="x", max_tokens=50, stop=["! ✨"],
+                                                 stream=True, stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for chunk in stream:
+            parts += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+        assert done.choices[0].text == "".join(parts) == "Grüße 🦙 from 東京"
+        assert "\ufffd" not in "".join(parts) and usage.total_tokens == done.usage.total_tokens
+    await client.close()
 
 
 async def test_request_body_over_the_limit_is_413_in_each_apis_shape(client, gateway):
