@@ -1,7 +1,8 @@
 """FastAPI app: routes, the NATS connection's lifespan, and a root trace span per HTTP request.
 
 Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
-(``completions.py``), GET /v1/models,
+(``completions.py``), POST /v1/responses + GET/DELETE /v1/responses/{id}
+(``responses_api.py``), POST /v1/messages (``anthropic_api.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
 worker are alive, else 503; the body counts live workers by role).
 """
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 
 from deepinfer.gateway import openai_schema as oai
+from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
 from deepinfer.gateway.generate import REQUIRED_ROLES, Gateway
@@ -22,6 +24,7 @@ from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
 from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.responses_api import add_routes as add_responses_routes
 from deepinfer.mesh import MeshClient
 from deepinfer.telemetry import extract_context, get_logger, tracer
 
@@ -61,6 +64,9 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await create_completion(request, gw)
+
+    add_responses_routes(app, gw)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
+    add_anthropic_routes(app, gw)  # POST /v1/messages, /v1/messages/count_tokens
 
     @app.get("/v1/models")
     async def list_models():

@@ -39,8 +39,6 @@ class GatewayConfig:
     max_body_bytes: int = 32 << 20  # larger request bodies get 413
     # Redis for stored responses (/v1/responses ``store`` / ``previous_response_id``); None = no storage
     redis_url: str | None = None
-    # largest request body (bytes) the Responses and Anthropic Messages endpoints read; larger -> 413
-    max_request_bytes: int = 32 * 2**20
 
 
 @dataclass

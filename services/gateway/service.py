@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="deepinfer serve gateway", description="DeepInfer OpenAI-compatible gateway")
     env = os.environ.get
     p.add_argument("--nats", default=env("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
+    p.add_argument("--redis", default=env("DEEPINFER_REDIS_URL"), help="Redis URL for stored responses (/v1/responses)")
     p.add_argument("--model", default=env("DEEPINFER_MODEL"), help="HF model directory (default: embedded model)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: config.json)")
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     a = p.parse_args(argv)
     return GatewayConfig(
         nats_url=a.nats,
+        redis_url=a.redis or None,
         model=a.model,
         served_model_name=a.served_model_name,
         max_model_len=a.max_model_len,

@@ -1,0 +1,480 @@
+"""POST /v1/messages: the Anthropic Messages API on the mesh (and POST /v1/messages/count_tokens).
+
+Request: ``model`` (must be the served model, else 404), ``max_tokens`` (required, >= 1),
+``messages`` (user / assistant; content a string or blocks: ``text``, ``tool_use`` in assistant
+turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``stop_sequences``,
+``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema) with
+``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force a call, which needs structured
+output: 400 until that lands), ``stream``, ``metadata`` (ignored). The ``anthropic-version`` and
+``x-api-key`` headers are accepted and ignored. DeepInfer extensions, as on chat completions:
+``traffic_class`` / ``cache_salt`` body fields and the ``X-Traffic-Class`` header.
+
+The conversation becomes OpenAI-shaped template messages for the tokenizer: ``system`` first, a
+``tool_use`` block becomes an assistant ``tool_calls`` entry, a ``tool_result`` block a ``tool``
+message (prefixed ``Error: `` when ``is_error``). Tool calls are parsed from the output
+(``ToolCallParser``) into ``tool_use`` blocks (ids ``toolu_...``).
+
+Response: a ``message`` with content blocks, ``stop_reason`` = ``tool_use`` (a call was parsed),
+``stop_sequence`` (with ``stop_sequence`` set), ``max_tokens`` (the output limit), else
+``end_turn``; ``usage``: ``input_tokens`` = prompt tokens not read from cache (Anthropic's
+meaning), ``cache_read_input_tokens`` = prompt tokens found in the prefix cache,
+``cache_creation_input_tokens`` = 0 (caching is automatic, nothing is billed as a write),
+``output_tokens`` (the EOS token included, as chat completions counts it).
+
+Streaming: ``message_start``, ``ping``, then per block ``content_block_start`` /
+``content_block_delta`` (``text_delta``; one ``input_json_delta`` with a call's whole input, as
+the call is only known once its closing tag arrives) / ``content_block_stop``, then
+``message_delta`` (stop_reason, stop_sequence, usage.output_tokens) and ``message_stop``.
+
+Errors: ``{"type": "error", "error": {"type", "message"}}``: 400 ``invalid_request_error``,
+404 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 500 ``api_error``,
+504 ``timeout_error`` (a worker or the tokenizer timed out), 529 ``overloaded_error`` (no live
+worker took the request, or its worker was lost). All of them come before any SSE byte when
+detectable; after the stream started, a failure is an ``error`` event and the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from contextlib import aclosing
+from typing import Annotated, Literal, Union
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from pydantic import BaseModel, ConfigDict, Discriminator, model_validator
+
+from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages, field_names, log_finished,
+                                          matched_stop, output_budget, parse_body, run)
+from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
+from deepinfer.gateway.errors import OpenAIError, bad_request
+from deepinfer.gateway.generate import Gateway, abort_all, check_workers, new_choices, open_choices
+from deepinfer.gateway.limits import BodyTooLarge
+from deepinfer.gateway.stream import ClientGone, spawn
+from deepinfer.protocol import SamplingParams
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+
+
+# --- request models -----------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict | None = None  # accepted; the prefix cache is automatic
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            body = "\n".join(b.text for b in self.content)
+        else:
+            body = self.content or ""
+        return f"Error: {body}" if self.is_error else body
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Discriminator("type")]
+
+
+class InputMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Strict):
+    name: str
+    description: str | None = None
+    input_schema: dict
+    type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
+
+    @model_validator(mode="after")
+    def _custom_only(self):
+        if self.type not in (None, "custom"):
+            raise ValueError(f"tool type {self.type!r} is not supported; only custom tools (name, input_schema)")
+        return self
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesRequest(_Strict):
+    model: str
+    messages: list[InputMessage]
+    max_tokens: int
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: dict | None = None
+    # DeepInfer extensions (as on chat completions)
+    traffic_class: str | None = None
+    cache_salt: str | None = None
+
+
+class CountTokensRequest(_Strict):
+    model: str
+    messages: list[InputMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+_FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, Tool, ToolChoice)
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                504: "timeout_error", 529: "overloaded_error"}
+
+
+def error_status(e: OpenAIError) -> int:
+    """The HTTP status Anthropic would answer for ``e``: 503 becomes 529 (overloaded) or, for a
+    timeout, 504; every other status is kept."""
+    if e.status == 503:
+        return 504 if e.code == "timeout" else 529
+    return e.status
+
+
+def error_body(e: OpenAIError) -> dict:
+    status = error_status(e)
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=error_status(e))
+
+
+# --- validation and the prompt --------------------------------------------------------------
+
+
+def validate(req: MessagesRequest | CountTokensRequest, gw: Gateway) -> None:
+    """Checks beyond the types. Raises 404 (unknown model) or 400 (``invalid_request_error``)."""
+    if req.model != gw.model.served_name:
+        raise OpenAIError(404, f"model: {req.model}", param="model", code="model_not_found")
+    if not req.messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    if isinstance(req, MessagesRequest):
+        if req.max_tokens < 1:
+            raise bad_request(f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
+        if req.temperature is not None and not (math.isfinite(req.temperature) and 0 <= req.temperature <= 1):
+            raise bad_request(f"temperature: must be between 0 and 1, got {req.temperature}", param="temperature")
+        if req.top_p is not None and not (0 < req.top_p <= 1):
+            raise bad_request(f"top_p: must be in (0, 1], got {req.top_p}", param="top_p")
+        if req.top_k is not None and req.top_k < 0:
+            raise bad_request(f"top_k: must be >= 0, got {req.top_k}", param="top_k")
+        if any(not s for s in req.stop_sequences or []):
+            raise bad_request("stop_sequences: each stop sequence must be a non-empty string", param="stop_sequences")
+    names = set()
+    for i, tool in enumerate(req.tools or []):
+        if not TOOL_NAME.match(tool.name):
+            raise bad_request(f"tools.{i}.name: must match {TOOL_NAME.pattern}", param="tools")
+        if tool.name in names:
+            raise bad_request(f"tools: tool names must be unique, {tool.name!r} repeats", param="tools")
+        names.add(tool.name)
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type in ("any", "tool"):
+            raise bad_request(f"tool_choice: {choice.type!r} forces a tool call, which needs structured output; "
+                              "not supported yet (use 'auto' or 'none')", param="tool_choice")
+    if isinstance(req.system, list) and any(not b.text for b in req.system):
+        raise bad_request("system: text content blocks must be non-empty", param="system")
+    seen_tool_uses: set[str] = set()
+    for i, m in enumerate(req.messages):
+        blocks = m.content if isinstance(m.content, list) else []
+        for j, b in enumerate(blocks):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(b, TextBlock) and not b.text:
+                raise bad_request(f"{where}: text content blocks must be non-empty", param="messages")
+            if isinstance(b, ToolUseBlock):
+                if m.role != "assistant":
+                    raise bad_request(f"{where}: tool_use blocks belong to assistant messages", param="messages")
+                if b.id in seen_tool_uses:
+                    raise bad_request(f"{where}: tool_use ids must be unique, {b.id!r} repeats", param="messages")
+                seen_tool_uses.add(b.id)
+            if isinstance(b, ToolResultBlock):
+                if m.role != "user":
+                    raise bad_request(f"{where}: tool_result blocks belong to user messages", param="messages")
+                if b.tool_use_id not in seen_tool_uses:
+                    raise bad_request(f"{where}: tool_result for unknown tool_use_id {b.tool_use_id!r}; it must "
+                                      "answer a tool_use block of an earlier assistant message", param="messages")
+    if req.messages[-1].role == "assistant":
+        raise bad_request("messages: the last message must be a user message (continuing a partial assistant "
+                          "turn is not supported)", param="messages")
+
+
+def tools_enabled(req: MessagesRequest | CountTokensRequest) -> bool:
+    return bool(req.tools) and not (req.tool_choice is not None and req.tool_choice.type == "none")
+
+
+def template_tools(req: MessagesRequest | CountTokensRequest) -> list[dict] | None:
+    """Tool definitions in the OpenAI shape the chat template takes; None when tools are off."""
+    if not tools_enabled(req):
+        return None
+    out = []
+    for t in req.tools:
+        fn = {"name": t.name, "parameters": t.input_schema}
+        if t.description is not None:
+            fn["description"] = t.description
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
+    """The conversation as OpenAI chat messages (text content) for the chat template."""
+    out: list[dict] = []
+    if isinstance(req.system, str) and req.system:
+        out.append({"role": "system", "content": req.system})
+    elif isinstance(req.system, list) and req.system:
+        out.append({"role": "system", "content": "\n".join(b.text for b in req.system)})
+    for m in req.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "assistant":
+            text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+            msg = {"role": "assistant", "content": text}
+            calls = [{"id": b.id, "type": "function",
+                      "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+                     for b in m.content if isinstance(b, ToolUseBlock)]
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        texts: list[str] = []  # a user turn: tool results become tool messages, in order
+        for b in m.content:
+            if isinstance(b, ToolResultBlock):
+                if texts:
+                    out.append({"role": "user", "content": "\n".join(texts)})
+                    texts = []
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            else:
+                texts.append(b.text)
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+# --- the endpoint -----------------------------------------------------------------------------
+
+
+def add_routes(app: FastAPI, gw: Gateway) -> None:
+    """Register POST /v1/messages and POST /v1/messages/count_tokens on ``app``."""
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _guarded(create_message(request, gw))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await _guarded(count_message_tokens(request, gw))
+
+
+async def _guarded(coro) -> Response:
+    """Every failure in Anthropic's error shape (FastAPI's handlers answer OpenAI's)."""
+    try:
+        return await coro
+    except OpenAIError as e:
+        return error_response(e)
+    except BodyTooLarge:
+        raise  # the body-limit middleware answers 413 in this API's shape
+    except Exception as e:  # noqa: BLE001 - an unexpected bug still answers in this API's shape
+        log.exception("unhandled_error", error=str(e))
+        return error_response(OpenAIError(500, f"{type(e).__name__}: {e}", "server_error"))
+
+
+async def count_message_tokens(request: Request, gw: Gateway) -> Response:
+    """``{"input_tokens": n}``: the prompt's tokens as /v1/messages would render it (no generation)."""
+    req = parse_body(CountTokensRequest, await request.body(), _FIELDS)
+    validate(req, gw)
+    check_workers(gw.registry)
+    ids = await encode_messages(gw, uuid.uuid4().hex, template_messages(req), template_tools(req))
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def create_message(request: Request, gw: Gateway) -> Response:
+    """Run one Messages request: JSON ``message`` or an SSE stream. Raises ``OpenAIError`` (rendered
+    by ``_guarded``) for anything detectable before the first byte."""
+    req = parse_body(MessagesRequest, await request.body(), _FIELDS)
+    validate(req, gw)
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
+    check_workers(gw.registry)
+    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    prompt_ids = await encode_messages(gw, request_id, template_messages(req), template_tools(req))
+    max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_tokens, "max_tokens", "messages")
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        max_tokens=max_tokens,
+    )
+    choices = new_choices(gw, request_id, 1, list(req.stop_sequences or []), traffic_class, req.cache_salt)
+    try:
+        await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
+    except ClientGone:
+        return Response(status_code=499)
+    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req)), len(prompt_ids))
+    reply = _Reply(r, gw.model.served_name)
+    log.info("request_started", api="anthropic", prompt_tokens=len(prompt_ids), stream=req.stream,
+             worker=choices[0].stream.worker_id)
+    headers = {"X-Request-Id": request_id, "request-id": f"req_{request_id}"}
+    if req.stream:
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
+    try:
+        body = await _collect(reply, request)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(body, headers=headers)
+
+
+class _Reply:
+    """The message under construction: ids, blocks (from the run's assembler), stop reason, usage."""
+
+    def __init__(self, r: Run, model: str):
+        self.run = r
+        self.model = model
+        self.id = f"msg_{r.request_id}"
+        self.tool_ids: dict[int, str] = {}  # block index -> toolu_ id
+
+    def tool_id(self, index: int) -> str:
+        return self.tool_ids.setdefault(index, f"toolu_{uuid.uuid4().hex[:24]}")
+
+    def block(self, b, streaming: bool = False) -> dict:
+        if b.kind == "text":
+            return {"type": "text", "text": "" if streaming else b.text}
+        return {"type": "tool_use", "id": self.tool_id(b.index), "name": b.call.name,
+                "input": {} if streaming else b.call.arguments_obj}
+
+    def stop(self) -> tuple[str, str | None]:
+        """(stop_reason, stop_sequence)."""
+        proc = self.run.proc
+        if self.run.assembler.calls:
+            return "tool_use", None
+        if proc.stopped_by_string:
+            return "stop_sequence", matched_stop(proc)
+        if proc.finish_reason == "length":
+            return "max_tokens", None
+        return "end_turn", None
+
+    def usage(self, output_tokens: int | None = None) -> dict:
+        cached = self.run.cached_tokens
+        return {
+            "input_tokens": self.run.num_prompt_tokens - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": self.run.output_tokens if output_tokens is None else output_tokens,
+        }
+
+    def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None,
+                usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+
+async def _collect(reply: _Reply, request: Request) -> dict:
+    r = reply.run
+    clean = False
+    try:
+        async with aclosing(run(r, request.is_disconnected)) as events:
+            async for _ in events:
+                pass
+        clean = True
+    except (OpenAIError, ClientGone):
+        clean = True
+        raise
+    finally:
+        if clean:
+            await abort_all([r.choice])
+        else:  # cancelled: an await here could be cancelled too
+            spawn(r.choice.stream.abort())
+        log_finished(r)
+    stop_reason, stop_sequence = reply.stop()
+    return reply.message([reply.block(b) for b in r.assembler.blocks], stop_reason, stop_sequence, reply.usage())
+
+
+def _sse_event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _block_events(reply: _Reply, events: list[Event]):
+    for e in events:
+        index = e.block.index
+        if e.kind == "start":
+            yield _sse_event("content_block_start", {"type": "content_block_start", "index": index,
+                                                     "content_block": reply.block(e.block, streaming=True)})
+            if e.block.kind == "tool":
+                delta = {"type": "input_json_delta", "partial_json": e.block.call.arguments}
+                yield _sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                         "delta": delta})
+        elif e.kind == "delta" and e.text:
+            yield _sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                     "delta": {"type": "text_delta", "text": e.text}})
+        elif e.kind == "stop":
+            yield _sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+async def _sse(reply: _Reply):
+    r = reply.run
+    clean = False
+    try:
+        yield _sse_event("message_start", {"type": "message_start", "message": reply.message(
+            [], None, None, reply.usage(output_tokens=0))})
+        yield _sse_event("ping", {"type": "ping"})
+        try:
+            async with aclosing(run(r)) as arriving:
+                async for events in arriving:
+                    for line in _block_events(reply, events):
+                        yield line
+        except OpenAIError as e:
+            clean = True
+            yield _sse_event("error", error_body(e))
+            return
+        stop_reason, stop_sequence = reply.stop()
+        yield _sse_event("message_delta", {"type": "message_delta",
+                                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                           "usage": {"output_tokens": r.output_tokens}})
+        yield _sse_event("message_stop", {"type": "message_stop"})
+        clean = True
+    finally:
+        # NOTE: when the client disconnects, Starlette cancels this generator and an
+        # await here could be cancelled too, so the abort is its own task.
+        spawn(r.choice.stream.abort())
+        log_finished(r, disconnected=not clean)
+

@@ -1,0 +1,572 @@
+"""POST /v1/responses, GET / DELETE /v1/responses/{id}: the OpenAI Responses API on the mesh.
+
+Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``output_text`` content
+or a plain string; ``function_call``; ``function_call_output``), ``instructions`` (a system message
+first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
+``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only) with ``tool_choice``
+(``auto`` / ``none``; ``required`` and a named function force a call, which needs structured
+output: 400 until that lands, as is ``text.format`` json_object / json_schema), ``stream``,
+``store`` (default true), ``previous_response_id``, ``metadata``, ``user``; ``reasoning``,
+``truncation``, ``include`` and unknown fields are ignored. DeepInfer extensions:
+``traffic_class`` / ``cache_salt`` and the ``X-Traffic-Class`` header, as on chat completions.
+
+Items become OpenAI-shaped template messages for the tokenizer (roles as sent), a
+``function_call`` joins the assistant message before it as a ``tool_calls`` entry, a
+``function_call_output`` is a ``tool`` message. Tool calls are parsed from the output
+(``ToolCallParser``) into ``function_call`` items (``fc_`` ids, ``call_`` call ids).
+
+Response: ``status`` ``completed``, or ``incomplete`` with ``incomplete_details.reason =
+"max_output_tokens"`` when the output limit cut it; ``output``: ``message`` items (one
+``output_text`` part each) and ``function_call`` items in generation order (an output with no
+text and no call still has one empty message); ``usage``: ``input_tokens``,
+``input_tokens_details.cached_tokens``, ``output_tokens`` (EOS included, as chat completions
+counts it), ``output_tokens_details.reasoning_tokens`` (0), ``total_tokens``.
+
+Streaming (SSE with ``event:`` lines, every payload carrying ``sequence_number`` from 0):
+``response.created``, ``response.in_progress``, then per item ``response.output_item.added``;
+for a message ``response.content_part.added``, ``response.output_text.delta``...,
+``response.output_text.done``, ``response.content_part.done``; for a call
+``response.function_call_arguments.delta`` (the whole arguments: a call is only known once its
+closing tag arrives) and ``.done``; then ``response.output_item.done``; last
+``response.completed`` (or ``response.incomplete``). A failure after the stream started is an
+``error`` event followed by ``response.failed``.
+
+Stored responses (``response_store``): with ``store`` true the response and its conversation are
+kept in Redis (7 days) before the final event / JSON is sent, so a follow-up with
+``previous_response_id`` continues it. Unknown id -> 404; Redis down -> 503 for requests that
+need it (``previous_response_id``, GET, DELETE), while plain requests still work (storing is
+skipped and logged).
+
+Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400, 404 (model,
+response id), 413 (body larger than ``max_body_bytes``, from ``limits``), 500, 503; before any SSE byte when
+detectable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from typing import Annotated, Literal, Union
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, ValidationError, model_validator
+
+from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages, field_names, log_finished,
+                                          output_budget, parse_body, run)
+from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
+from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
+from deepinfer.gateway.generate import Gateway, abort_all, check_workers, new_choices, open_choices
+from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
+from deepinfer.gateway.stream import ClientGone, spawn
+from deepinfer.protocol import SamplingParams
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+# --- request models -------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+
+
+ContentPart = Annotated[Union[InputText, OutputText], Discriminator("type")]
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as a string
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
+
+
+def _item_type(value) -> str | None:
+    """An item's tag: its ``type`` (a message may leave it out)."""
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+Item = Annotated[
+    Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+    Discriminator(_item_type),
+]
+_ITEMS = TypeAdapter(list[Item])
+
+
+class FunctionTool(_Strict):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _function_only(self):
+        if self.type != "function":
+            raise ValueError(f"tool type {self.type!r} is not supported; only 'function'")
+        if self.name is None:
+            raise ValueError("a function tool needs a 'name'")
+        return self
+
+    def to_dict(self) -> dict:
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters, "strict": self.strict}
+
+
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Strict):
+    input: str | list[Item]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: TextConfig | None = None
+    # DeepInfer extensions (as on chat completions)
+    traffic_class: str | None = None
+    cache_salt: str | None = None
+
+
+_FIELDS = field_names(ResponsesRequest, MessageItem, InputText, OutputText, FunctionCallItem, FunctionCallOutputItem,
+                      FunctionTool, FunctionToolChoice, TextConfig, TextFormat)
+
+
+# --- validation and the prompt -------------------------------------------------------------
+
+
+def validate(req: ResponsesRequest, gw: Gateway) -> None:
+    """Checks beyond the types. Raises 404 (unknown model) or 400."""
+    if req.model is not None and req.model != gw.model.served_name:
+        raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+    if isinstance(req.input, list) and not req.input:
+        raise bad_request("input must contain at least one item", param="input")
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
+                          param="max_output_tokens")
+    if req.temperature is not None and not (math.isfinite(req.temperature) and 0 <= req.temperature <= 2):
+        raise bad_request(f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
+    if req.top_p is not None and not (0 < req.top_p <= 1):
+        raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    names = set()
+    for tool in req.tools or []:
+        if not TOOL_NAME.match(tool.name):
+            raise bad_request(f"tool names must match {TOOL_NAME.pattern}, got {tool.name!r}", param="tools")
+        if tool.name in names:
+            raise bad_request(f"tool names must be unique, {tool.name!r} repeats", param="tools")
+        names.add(tool.name)
+    if req.tool_choice == "required" or isinstance(req.tool_choice, FunctionToolChoice):
+        raise bad_request("tool_choice 'required' or a named function forces a tool call, which needs structured "
+                          "output; not supported yet (use 'auto' or 'none')", param="tool_choice")
+    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+        raise bad_request(f"text.format {req.text.format.type!r} needs structured output; not supported yet",
+                          param="text")
+
+
+def input_items(req: ResponsesRequest) -> list:
+    """The request's input as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [MessageItem(role="user", content=req.input)]
+    return list(req.input)
+
+
+def check_call_outputs(items: list) -> None:
+    """Every ``function_call_output`` must answer a ``function_call`` before it. Raises 400."""
+    calls: set[str] = set()
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise bad_request(f"No tool call found for function call output with call_id {item.call_id}.",
+                              param="input")
+
+
+def tools_enabled(req: ResponsesRequest) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def template_tools(req: ResponsesRequest) -> list[dict] | None:
+    """Tool definitions in the chat template's (chat completions') shape; None when tools are off."""
+    if not tools_enabled(req):
+        return None
+    out = []
+    for t in req.tools:
+        fn = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        if t.parameters is not None:
+            fn["parameters"] = t.parameters
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def template_messages(instructions: str | None, items: list) -> list[dict]:
+    """The conversation as OpenAI chat messages (text content) for the chat template."""
+    out: list[dict] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    for item in items:
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return out
+
+
+def dump_items(items: list) -> list[dict]:
+    return [it.model_dump(mode="json", exclude_none=True) for it in items]
+
+
+def load_items(data: list[dict]) -> list:
+    """Stored items back into item models. Raises 500 when a stored record is unreadable."""
+    try:
+        return _ITEMS.validate_python(data, strict=False)
+    except ValidationError as e:
+        raise OpenAIError(500, f"a stored response is unreadable: {e}", "server_error", None,
+                          "internal_error") from None
+
+
+async def previous_context(store: ResponseStore, response_id: str) -> list:
+    """The stored conversation of ``response_id``. Raises 404 (unknown or expired), 503 (Redis down)."""
+    try:
+        record = await store.get(response_id)
+    except StoreUnavailable as e:
+        raise unavailable(f"previous_response_id needs the response store: {e}", code="store_unavailable") from None
+    if record is None:
+        raise OpenAIError(404, f"Previous response with id '{response_id}' not found.",
+                          param="previous_response_id", code="previous_response_not_found")
+    return load_items(record["context"])
+
+
+# --- the endpoints ----------------------------------------------------------------------------
+
+
+def add_routes(app: FastAPI, gw: Gateway) -> None:
+    """Register POST /v1/responses, GET and DELETE /v1/responses/{id}; the store (on
+    ``app.state.responses_store``) is closed when the app's lifespan ends."""
+    app.state.responses_store = ResponseStore(gw.config.redis_url)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            try:
+                yield state
+            finally:
+                await a.state.responses_store.aclose()
+
+    app.router.lifespan_context = lifespan
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await create_response(request, gw, request.app.state.responses_store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        record = await _stored(request.app.state.responses_store, response_id)
+        return JSONResponse(record["response"])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        store = request.app.state.responses_store
+        try:
+            deleted = await store.delete(response_id)
+        except StoreUnavailable as e:
+            raise unavailable(str(e), code="store_unavailable") from None
+        if not deleted:
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+
+
+async def _stored(store: ResponseStore, response_id: str) -> dict:
+    try:
+        record = await store.get(response_id)
+    except StoreUnavailable as e:
+        raise unavailable(str(e), code="store_unavailable") from None
+    if record is None:
+        raise _not_found(response_id)
+    return record
+
+
+async def create_response(request: Request, gw: Gateway, store: ResponseStore) -> Response:
+    """Run one Responses request: JSON ``response`` or an SSE stream. Raises ``OpenAIError`` for
+    anything detectable before the first byte (the app renders it in OpenAI's shape)."""
+    req = parse_body(ResponsesRequest, await request.body(), _FIELDS)
+    validate(req, gw)
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
+    context = await previous_context(store, req.previous_response_id) if req.previous_response_id else []
+    new_items = input_items(req)
+    check_call_outputs(context + new_items)
+    check_workers(gw.registry)
+    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    prompt_ids = await encode_messages(gw, request_id, template_messages(req.instructions, context + new_items),
+                                       template_tools(req), param="input")
+    max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_output_tokens, "max_output_tokens",
+                               "input")
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        max_tokens=max_tokens,
+    )
+    choices = new_choices(gw, request_id, 1, [], traffic_class, req.cache_salt)
+    try:
+        await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
+    except ClientGone:
+        return Response(status_code=499)
+    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req), keep_empty=True), len(prompt_ids))
+    reply = _Reply(r, req, gw.model.served_name, store, dump_items(context + new_items))
+    log.info("request_started", api="responses", prompt_tokens=len(prompt_ids), stream=req.stream,
+             previous_response_id=req.previous_response_id, worker=choices[0].stream.worker_id)
+    headers = {"X-Request-Id": request_id}
+    if req.stream:
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
+    try:
+        body = await _collect(reply, request)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(body, headers=headers)
+
+
+class _Reply:
+    """The response under construction: its items (from the run's assembler), status, usage, storage."""
+
+    def __init__(self, r: Run, req: ResponsesRequest, model: str, store: ResponseStore, context: list[dict]):
+        self.run = r
+        self.req = req
+        self.model = model
+        self.store = store
+        self.context = context  # conversation items before this response's output (JSON)
+        self.id = f"resp_{r.request_id}"
+        self.created_at = int(time.time())
+        self.item_ids: dict[int, str] = {}
+
+    def item_id(self, b: Block) -> str:
+        prefix = "msg" if b.kind == "text" else "fc"
+        return self.item_ids.setdefault(b.index, f"{prefix}_{uuid.uuid4().hex}")
+
+    @property
+    def truncated(self) -> bool:
+        return self.run.proc.finish_reason == "length"
+
+    def item(self, b: Block, status: str | None = None) -> dict:
+        """Block ``b`` as an output item; ``status`` None: final (completed, or incomplete when cut)."""
+        if b.kind == "text":
+            if status is None:
+                status = "incomplete" if self.truncated else "completed"
+            content = [] if status == "in_progress" else [self.part(b.text)]
+            return {"id": self.item_id(b), "type": "message", "status": status, "role": "assistant",
+                    "content": content}
+        return {"id": self.item_id(b), "type": "function_call", "status": status or "completed",
+                "call_id": b.call.id, "name": b.call.name,
+                "arguments": "" if status == "in_progress" else b.call.arguments}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def usage(self) -> dict:
+        r = self.run
+        return {"input_tokens": r.num_prompt_tokens, "input_tokens_details": {"cached_tokens": r.cached_tokens},
+                "output_tokens": r.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": r.num_prompt_tokens + r.output_tokens}
+
+    def response(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
+                 error: dict | None = None) -> dict:
+        req = self.req
+        tool_choice = req.tool_choice
+        if isinstance(tool_choice, BaseModel):
+            tool_choice = tool_choice.model_dump()
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
+            "output": output or [], "parallel_tool_calls": True if req.parallel_tool_calls is None
+            else req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": {"type": "text"}}, "tool_choice": tool_choice or "auto",
+            "tools": [t.to_dict() for t in req.tools or []], "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
+        }
+
+    def final(self) -> dict:
+        output = [self.item(b) for b in self.run.assembler.blocks]
+        return self.response("incomplete" if self.truncated else "completed", output, self.usage())
+
+    async def save(self, response: dict) -> None:
+        """Store ``response`` with its conversation when ``store`` is set; a failure is only logged."""
+        if not self.req.store:
+            return
+        try:
+            await self.store.put(response, self.context + response["output"])
+        except StoreUnavailable as e:
+            log.warning("response_not_stored", response_id=self.id, error=str(e))
+
+
+async def _collect(reply: _Reply, request: Request) -> dict:
+    r = reply.run
+    clean = False
+    try:
+        async with aclosing(run(r, request.is_disconnected)) as events:
+            async for _ in events:
+                pass
+        clean = True
+    except (OpenAIError, ClientGone):
+        clean = True
+        raise
+    finally:
+        if clean:
+            await abort_all([r.choice])
+        else:  # cancelled: an await here could be cancelled too
+            spawn(r.choice.stream.abort())
+        log_finished(r)
+    body = reply.final()
+    await reply.save(body)
+    return body
+
+
+class _Events:
+    """SSE lines with ``sequence_number``s."""
+
+    def __init__(self):
+        self.seq = 0
+
+    def __call__(self, kind: str, **data) -> str:
+        payload = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _item_events(reply: _Reply, ev: _Events, events: list[Event]):
+    for e in events:
+        b = e.block
+        ids = {"item_id": reply.item_id(b), "output_index": b.index}
+        if b.kind == "text":
+            if e.kind == "start":
+                yield ev("response.output_item.added", output_index=b.index, item=reply.item(b, "in_progress"))
+                yield ev("response.content_part.added", **ids, content_index=0, part=reply.part(""))
+            elif e.kind == "delta" and e.text:
+                yield ev("response.output_text.delta", **ids, content_index=0, delta=e.text, logprobs=[])
+            elif e.kind == "stop":
+                yield ev("response.output_text.done", **ids, content_index=0, text=b.text, logprobs=[])
+                yield ev("response.content_part.done", **ids, content_index=0, part=reply.part(b.text))
+                yield ev("response.output_item.done", output_index=b.index, item=reply.item(b))
+        elif e.kind == "start":
+            yield ev("response.output_item.added", output_index=b.index, item=reply.item(b, "in_progress"))
+            yield ev("response.function_call_arguments.delta", **ids, delta=b.call.arguments)
+        elif e.kind == "stop":
+            yield ev("response.function_call_arguments.done", **ids, name=b.call.name, arguments=b.call.arguments)
+            yield ev("response.output_item.done", output_index=b.index, item=reply.item(b))
+
+
+async def _sse(reply: _Reply):
+    r = reply.run
+    ev = _Events()
+    clean = False
+    try:
+        yield ev("response.created", response=reply.response("in_progress"))
+        yield ev("response.in_progress", response=reply.response("in_progress"))
+        try:
+            async with aclosing(run(r)) as arriving:
+                async for events in arriving:
+                    for line in _item_events(reply, ev, events):
+                        yield line
+        except OpenAIError as e:
+            clean = True
+            yield ev("error", code=e.code or e.type, message=e.message, param=None)
+            output = [reply.item(b, "incomplete") for b in r.assembler.blocks]
+            failed = reply.response("failed", output, reply.usage(), error={"code": "server_error",
+                                                                               "message": e.message})
+            yield ev("response.failed", response=failed)
+            return
+        body = reply.final()
+        await reply.save(body)
+        yield ev(f"response.{body['status']}", response=body)
+        clean = True
+    finally:
+        # NOTE: when the client disconnects, Starlette cancels this generator and an
+        # await here could be cancelled too, so the abort is its own task.
+        spawn(r.choice.stream.abort())
+        log_finished(r, disconnected=not clean)
