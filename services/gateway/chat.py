@@ -31,15 +31,15 @@ from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
+from deepinfer.gateway.api_common import encode_messages
 from deepinfer.gateway.config import ModelInfo
-from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, internal, unavailable, validation_error
-from deepinfer.gateway.generate import (REQUIRED_ROLES, Choice, Gateway, abort_all, check_workers, chunks,  # noqa: F401
+from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, validation_error
+from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks,
                                         failure, http_error, new_choices, open_choices, raise_if_failed,
                                         usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCallParser
-from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
-from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, SamplingParams, TokenChunk, subjects
+from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -270,27 +270,9 @@ def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_
 
 
 async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest) -> list[int]:
+    """The chat prompt's token ids from the tokenizer service (``api_common.encode_messages``)."""
     tools = [t.to_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
-    msg = EncodeChatRequest(request_id, [m.to_template() for m in req.messages], tools=tools)
-    timeout = gw.config.tokenizer_timeout_s
-    try:
-        reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
-    except NoResponders:
-        raise unavailable("no tokenizer worker is running") from None
-    except RequestTimeout:
-        raise unavailable(f"the tokenizer did not answer within {timeout:.0f}s", code="timeout") from None
-    except RemoteError as e:
-        if e.kind == "bad_request":
-            raise bad_request(str(e), param="messages") from None
-        raise internal(f"tokenizer failed: {e}") from None
-    except ProtocolError as e:
-        raise internal(f"bad reply from the tokenizer: {e}") from None
-    if not reply.token_ids:
-        raise bad_request("the rendered prompt is empty", param="messages")
-    return list(reply.token_ids)
-
-
-# --- the choices' streams -------------------------------------------------------------
+    return await encode_messages(gw, request_id, [m.to_template() for m in req.messages], tools)
 
 
 # --- responses -------------------------------------------------------------------
