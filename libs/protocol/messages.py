@@ -89,9 +89,16 @@ class SamplingParams:
 
 @message
 class EncodeChatRequest:
-    """gateway -> tokenizer: render the chat template and encode it.
+    """gateway -> tokenizer: render the chat template and encode it (``deepinfer.recipe``).
 
-    messages: OpenAI-style ``[{"role": str, "content": str}, ...]``.
+    messages: OpenAI-shaped chat messages: ``role`` (system, developer, user,
+    assistant, tool), ``content`` (a string, a list of ``{"type": "text",
+    "text"}`` parts, or None), assistant ``tool_calls`` (``[{"id", "type":
+    "function", "function": {"name", "arguments": <JSON string>}}]``), tool
+    ``tool_call_id`` and ``name``.
+    tools: OpenAI function tool schemas (``[{"type": "function", "function":
+    {"name", "description", "parameters"}}]``) offered to the template; None = none.
+    Control strings in any of this text are encoded as text, never as control tokens.
     """
 
     request_id: str

@@ -1,15 +1,20 @@
-"""Tokenizer service (the "recipe"): chat template rendering and encoding.
+"""Tokenizer service: chat template rendering and control-token-safe encoding.
 
 Lifecycle of a request in this service:
-  1. ``deepinfer.tokenizer.encode_chat`` (queue group ``tokenizer``): an
-     ``EncodeChatRequest`` arrives from the gateway.
-  2. The chat template is rendered and encoded on a worker thread (so the
-     event loop keeps serving other requests).
+  1. ``deepinfer.tokenizer.encode_chat`` (queue group ``tokenizer``: any
+     replica answers): an ``EncodeChatRequest`` arrives from the gateway.
+  2. It waits for one of ``--threads`` worker threads (the event loop keeps
+     receiving meanwhile); there ``deepinfer.recipe.ChatRecipe`` renders the
+     model's chat template and encodes it, control tokens only from the
+     template (TECHNIQUES §1). ``tokenizers`` releases the GIL and encodes a
+     request's text segments in parallel (Rust threads).
   3. The reply is an ``EncodeChatReply`` with the prompt's token ids, or an
-     ``ErrorReply(kind="bad_request")`` when the messages cannot be rendered.
+     ``ErrorReply(kind="bad_request")`` (the gateway's 400) when the messages
+     are malformed, the template refuses them, or text contains the request's
+     placeholder nonce.
 
-Control-token-safe segment encoding (TECHNIQUES §1) arrives with issue #5;
-today the template is rendered and tokenized by ``transformers``.
+Scaling: run more replicas (they share the queue group); benchmark:
+``benchmarks/bench_tokenizer.py``.
 """
 
 from __future__ import annotations
@@ -22,35 +27,16 @@ from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import resolve_model
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply, subjects
-
-ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def _text(content) -> str:
-    """Message content as text: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise ValueError("message content must be a string or a list of text parts")
+from deepinfer.recipe import ChatRecipe
 
 
 class TokenizerService(Service):
     role = "tokenizer"
 
-    def __init__(self, nats_url: str, model_dir: str, worker_id: str | None = None, threads: int = 2):
+    def __init__(self, nats_url: str, model_dir: str, worker_id: str | None = None, threads: int = 2,
+                 chunk_chars: int = 8192):
         super().__init__(nats_url, worker_id)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.recipe = ChatRecipe.from_pretrained(model_dir, chunk_chars=chunk_chars)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
 
     async def setup(self) -> None:
@@ -65,26 +51,26 @@ class TokenizerService(Service):
         return EncodeChatReply(request_id=req.request_id, token_ids=ids)
 
     def encode_chat(self, req: EncodeChatRequest) -> list[int]:
-        """Render and encode; raises ValueError for messages the template cannot take."""
-        messages = []
-        for m in req.messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise ValueError(f"bad message role: {m.get('role') if isinstance(m, dict) else m!r}")
-            messages.append({"role": m["role"], "content": _text(m.get("content"))})
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False
-            )
-        except Exception as e:  # jinja raises TemplateError for unsupported conversations
-            raise ValueError(f"chat template failed: {e}") from e
-        return list(ids)
+        """The prompt's ids; raises ValueError for messages the recipe or the template refuses."""
+        return self.recipe.encode_chat(req.messages, req.tools, req.add_generation_prompt)
 
     async def teardown(self) -> None:
         self.pool.shutdown(wait=False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = service_parser("tokenizer", "Chat template rendering and encoding")
-    p.add_argument("--threads", type=int, default=2)
+    p = service_parser("tokenizer", "Chat template rendering and control-token-safe encoding")
+    p.add_argument("--threads", type=int, default=2, help="requests encoded at once")
+    p.add_argument("--chunk-chars", type=int, default=8192,
+                   help="cut longer text segments into pieces of about this many characters, encoded in parallel "
+                        "(0 = never)")
+    p.add_argument("--no-parallel", dest="parallel", action="store_false",
+                   help="encode a request's text segments one after another (default: in parallel)")
     args = p.parse_args(argv)
-    run_service(TokenizerService(args.nats, str(resolve_model(args.model)), args.worker_id, args.threads), args.log_level)
+    # NOTE: the launcher turns tokenizers' Rust thread pool off for every service
+    # (TOKENIZERS_PARALLELISM=false); parallel segment encoding is this service's job.
+    # tokenizers reads the variable at each batch call, so setting it here is enough.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if args.parallel else "false"
+    service = TokenizerService(args.nats, str(resolve_model(args.model)), args.worker_id, args.threads,
+                               args.chunk_chars)
+    run_service(service, args.log_level)

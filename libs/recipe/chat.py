@@ -1,0 +1,173 @@
+"""Chat prompt -> token ids, with control tokens only from the template (TECHNIQUES §1).
+
+One request through ``ChatRecipe.encode_chat``::
+
+    messages, tools
+       | template_messages / template_tools   validate; OpenAI shape -> HF shape
+       | Placeholders.hide                    control strings in client text -> @@<nonce>.<k>@@
+       v
+    apply_chat_template(tokenize=False)       transformers' own renderer: HF's text, byte for byte
+       | Vocab.spans                          control strings in it: all from the template now
+       v
+    [text][ctrl][text][ctrl]...[text]         segments
+       | Placeholders.restore (text only)     client text back, as plain characters
+       | cut long text after safe newlines
+       v
+    content.encode_batch(text pieces)         parallel in Rust; never matches a control string
+       v
+    text ids and control ids, in order        the joined string is never re-tokenized
+
+A text segment is everything between two template control tokens: template
+text (``user\\n``) and client text together. Encoding them as one unit is
+what HF does for benign text (it splits only at added tokens), so a benign
+conversation gets exactly ``apply_chat_template(tokenize=True)``'s ids:
+encoding ``"user\\n"`` and ``"\\n\\nhi"`` apart would give other BPE pieces
+than ``"user\\n\\n\\nhi"``, and templates that ``trim`` content are followed
+exactly because the real text is rendered. Control strings inside client
+text reach the encoder only as characters (``content`` has no control
+tokens), so they yield text ids; a last check refuses any control id in text.
+
+Text segments are independent BPE units (control tokens are hard
+boundaries), so they are encoded in one ``encode_batch`` (Rust threads). A
+segment longer than ``chunk_chars`` is cut after a ``"\\n"`` with non-space
+characters on both sides when the tokenizer provably gives the same ids
+across such a cut (``Vocab.newline_cuts``), so one long message is encoded in
+parallel pieces too. The service adds request-level parallelism (a thread
+pool; ``tokenizers`` releases the GIL) and replicas (NATS queue group).
+
+Sources: deepseek-ai's "recipe"; transformers issue #29279 (control strings
+in user text become control tokens); vLLM's ``split_special_tokens``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer.recipe.messages import template_messages, template_tools
+from deepinfer.recipe.placeholders import EdgeSets, Placeholders
+from deepinfer.recipe.vocab import Vocab, load_vocab
+
+# A cut point: right after a "\n" that follows a non-space character, before a non-space character.
+_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of the prompt: text to encode (``control_id`` None) or one template control token."""
+
+    text: str = ""
+    control_id: int | None = None
+
+
+class ChatRecipe:
+    """Encode chats for one model. Thread-safe: every request's state is local.
+
+    hf_tokenizer: a ``transformers`` fast tokenizer (its chat template renders,
+    its ``backend_tokenizer`` encodes). chunk_chars: text segments longer than
+    this many characters are cut into pieces of about this size for parallel
+    encoding (where the tokenizer allows; 0 = never cut).
+    Raises ValueError if the tokenizer has no chat template.
+    """
+
+    def __init__(self, hf_tokenizer, chunk_chars: int = 8192):
+        template = hf_tokenizer.chat_template
+        if not template:
+            raise ValueError("the model has no chat template")
+        source = template if isinstance(template, str) else " ".join(template.values())
+        self.hf = hf_tokenizer
+        self.developer_role = "developer" in source
+        self.vocab: Vocab = load_vocab(hf_tokenizer.backend_tokenizer.to_str())
+        self.edges = EdgeSets.of(self.vocab.control)
+        self.chunk_chars = chunk_chars
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs) -> "ChatRecipe":
+        """Load the tokenizer (offline) of an HF model directory."""
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)), **kwargs)
+
+    def encode_chat(self, messages, tools=None, add_generation_prompt: bool = True, *,
+                    parallel: bool = True, nonce: str | None = None) -> list[int]:
+        """Token ids of the chat prompt. Raises ValueError for messages the recipe or template refuses."""
+        return self.encode_segments(self.segments(messages, tools, add_generation_prompt, nonce=nonce), parallel)
+
+    def segments(self, messages, tools=None, add_generation_prompt: bool = True, *,
+                 nonce: str | None = None) -> list[Segment]:
+        """Render the template and cut the prompt at the template's control tokens.
+
+        nonce: the placeholders' nonce (20 digits; default: a fresh random one).
+        Raises ValueError for bad messages, a template error, or client text containing the nonce.
+        """
+        msgs = template_messages(messages, self.developer_role)
+        tool_schemas = template_tools(tools)
+        ph = Placeholders(self.vocab, self.edges, **({"nonce": nonce} if nonce else {}))
+        roles = [m["role"] for m in msgs]  # validated names: never hidden
+        hidden = ph.hide([{k: v for k, v in m.items() if k != "role"} for m in msgs])
+        hidden = [{"role": r, **m} for r, m in zip(roles, hidden)]
+        hidden_tools = ph.hide(tool_schemas) if tool_schemas else None
+        try:
+            rendered = self.hf.apply_chat_template(hidden, tools=hidden_tools, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 TemplateError (raise_exception), TypeError on odd content...
+            raise ValueError(f"chat template failed: {e}") from e
+        out, pos = [], 0
+        for span in self.vocab.spans([rendered])[0]:
+            if span.start > pos:
+                out.append(Segment(ph.restore(rendered[pos : span.start])))
+            out.append(Segment(control_id=span.token_id))
+            pos = span.end
+        if pos < len(rendered):
+            out.append(Segment(ph.restore(rendered[pos:])))
+        return out
+
+    def encode_segments(self, segments: list[Segment], parallel: bool = True) -> list[int]:
+        """Encode text segments (in one parallel batch, or one by one) and join them with the control ids.
+
+        Raises ValueError if text encodes to a control id (a tokenizer whose
+        model merges text into a control token; never seen, checked anyway).
+        """
+        pieces: list[str] = []
+        counts: list[int] = []
+        for seg in segments:
+            if seg.control_id is None:
+                cut = self.cut(seg.text)
+                pieces.extend(cut)
+                counts.append(len(cut))
+        tok = self.vocab.content
+        if parallel:
+            encodings = tok.encode_batch(pieces, add_special_tokens=False)
+        else:
+            encodings = [tok.encode(p, add_special_tokens=False) for p in pieces]
+        ids: list[int] = []
+        control = self.vocab.control_ids
+        it, n = iter(encodings), iter(counts)
+        for seg in segments:
+            if seg.control_id is not None:
+                ids.append(seg.control_id)
+                continue
+            for _ in range(next(n)):
+                piece = next(it).ids
+                if not control.isdisjoint(piece):
+                    raise ValueError("message text encodes to a control token")
+                ids.extend(piece)
+        return ids
+
+    def cut(self, text: str) -> list[str]:
+        """``text`` in pieces of about ``chunk_chars`` whose ids, joined, are ``text``'s ids."""
+        every = self.chunk_chars
+        if not every or len(text) <= every or not self.vocab.newline_cuts:
+            return [text]
+        pieces, start = [], 0
+        while len(text) - start > every:
+            m = _SAFE_CUT.search(text, start + every)
+            if m is None:
+                break
+            pieces.append(text[start : m.start()])
+            start = m.start()
+        pieces.append(text[start:])
+        return pieces

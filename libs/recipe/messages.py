@@ -1,0 +1,99 @@
+"""OpenAI-shaped chat messages -> what Hugging Face chat templates take.
+
+* role: system, developer, user, assistant or tool. ``developer`` becomes
+  ``system`` unless the template names ``developer`` itself.
+* content: a string, a list of ``{"type": "text", "text": ...}`` parts (joined
+  with "\\n", as vLLM does) or None (-> "").
+* assistant ``tool_calls``: ``[{"id", "type": "function", "function": {"name",
+  "arguments"}}]``; ``arguments`` is OpenAI's JSON string and is parsed into a
+  dict, the form HF templates render with ``| tojson`` (vLLM does the same).
+* tool messages: ``tool_call_id`` and optional ``name`` are passed on.
+* ``tools``: OpenAI function tool schemas, passed on as they are.
+
+Every error is a ValueError with a message fit for a 400 reply.
+"""
+
+from __future__ import annotations
+
+import json
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def template_messages(messages, developer_role: bool) -> list[dict]:
+    """Validated copies of ``messages`` in the shape chat templates expect.
+
+    developer_role: the template knows a ``developer`` role (else it is mapped to ``system``).
+    Raises ValueError for a bad role, content, tool call or field type.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    return [_message(i, m, developer_role) for i, m in enumerate(messages)]
+
+
+def template_tools(tools) -> list[dict] | None:
+    """``tools`` checked to be a list of dicts (None or empty -> None). Raises ValueError."""
+    if not tools:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("tools must be a list of tool schema objects")
+    return [dict(t) for t in tools]
+
+
+def _message(i: int, m, developer_role: bool) -> dict:
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}] must be an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+    if role == "developer" and not developer_role:
+        role = "system"
+    out = {"role": role, "content": content_text(m.get("content"), f"messages[{i}].content")}
+    if m.get("tool_calls"):
+        if role != "assistant":
+            raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
+        out["tool_calls"] = [_tool_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(m["tool_calls"])]
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+            out[key] = m[key]
+    return out
+
+
+def content_text(content, where: str = "content") -> str:
+    """Message content as one string. Raises ValueError for anything but text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}: only text content parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"{where} must be a string or a list of text parts")
+
+
+def _tool_call(where: str, call) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {e.msg}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    out = {"type": call.get("type") or "function", "function": {"name": fn["name"], "arguments": args}}
+    if call.get("id") is not None:
+        if not isinstance(call["id"], str):
+            raise ValueError(f"{where}.id must be a string")
+        out["id"] = call["id"]
+    return out
