@@ -17,6 +17,7 @@ import pytest
 
 from deepinfer.models.convert import ModelNotFound, ensure_default_model, ensure_gemma3_270m
 from deepinfer.recipe import ChatRecipe, template_messages
+from deepinfer.recipe.messages import inline_tools
 
 TOOLS_TEMPLATE = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -94,14 +95,19 @@ def recipe(request):
 
 
 def hf_ids(recipe: ChatRecipe, messages, tools=None) -> list[int]:
-    """transformers' own ids for the chat (arguments parsed, developer mapped, as the recipe does)."""
+    """transformers' own ids for the chat (arguments parsed, developer mapped, tools written in as
+    text for a template that ignores them: as the recipe does)."""
     msgs = template_messages(messages, recipe.developer_role)
+    if not recipe.renders_tools and (tools or any(m.get("tool_calls") for m in msgs)):
+        msgs, tools = inline_tools(msgs, tools), None
     return list(recipe.hf.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=True,
                                               return_dict=False))
 
 
 def hf_text(recipe: ChatRecipe, messages, tools=None) -> str:
     msgs = template_messages(messages, recipe.developer_role)
+    if not recipe.renders_tools and (tools or any(m.get("tool_calls") for m in msgs)):
+        msgs, tools = inline_tools(msgs, tools), None
     return recipe.hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
@@ -358,3 +364,21 @@ def test_messages_become_template_input():
 def test_bad_messages_are_value_errors(smol, messages, match):
     with pytest.raises(ValueError, match=match):
         smol.encode_chat(messages)
+
+
+def test_a_template_without_tools_gets_them_written_in_as_text(smol):
+    """SmolLM2's template ignores ``tools``: the recipe writes the schemas and earlier tool calls
+    into the prompt (Hermes format), so the model can see and call them."""
+    recipe = smol
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = recipe.hf.decode(recipe.encode_chat(msgs, tools))
+    assert "Be brief." in text and "<tools>" in text and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert text.count("<|im_start|>system") == 1
+    without = recipe.hf.decode(recipe.encode_chat(msgs[:2]))
+    assert "<tools>" not in without

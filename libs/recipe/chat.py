@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.recipe.messages import template_messages, template_tools
+from deepinfer.recipe.messages import inline_tools, template_messages, template_tools
 from deepinfer.recipe.placeholders import EdgeSets, Placeholders
 from deepinfer.recipe.vocab import Vocab, load_vocab
 
@@ -79,6 +79,8 @@ class ChatRecipe:
         source = template if isinstance(template, str) else " ".join(template.values())
         self.hf = hf_tokenizer
         self.developer_role = "developer" in source
+        # a template that never reads ``tools`` gets them (and tool calls) written in as text
+        self.renders_tools = "tools" in source
         self.vocab: Vocab = load_vocab(hf_tokenizer.backend_tokenizer.to_str())
         self.edges = EdgeSets.of(self.vocab.control)
         self.chunk_chars = chunk_chars
@@ -105,6 +107,8 @@ class ChatRecipe:
         """
         msgs = template_messages(messages, self.developer_role)
         tool_schemas = template_tools(tools)
+        if not self.renders_tools and (tool_schemas or any(m.get("tool_calls") for m in msgs)):
+            msgs, tool_schemas = inline_tools(msgs, tool_schemas), None
         ph = Placeholders(self.vocab, self.edges, **({"nonce": nonce} if nonce else {}))
         roles = [m["role"] for m in msgs]  # validated names: never hidden
         hidden = ph.hide([{k: v for k, v in m.items() if k != "role"} for m in msgs])

@@ -97,3 +97,37 @@ def _tool_call(where: str, call) -> dict:
             raise ValueError(f"{where}.id must be a string")
         out["id"] = call["id"]
     return out
+
+
+TOOLS_PREAMBLE = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+def inline_tools(msgs: list[dict], tools: list[dict] | None) -> list[dict]:
+    """For a template that ignores ``tools`` (and tool calls): write them into the messages as
+    text, in the Hermes / Qwen2.5 format the gateway's tool-call parser reads.
+
+    The tool schemas become a system preamble (merged into the first system message);
+    an assistant turn's ``tool_calls`` become ``<tool_call>`` JSON after its content; a
+    tool result stays a ``tool`` message. Without this, such a template (SmolLM2's)
+    drops the tools silently and the model never learns they exist.
+    """
+    out = [dict(m) for m in msgs]
+    if tools:
+        preamble = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = out[0]["content"] + "\n\n" + preamble if out[0]["content"] else preamble
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"  # noqa: E501
+                           for c in calls)
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + text
+    return out
