@@ -87,6 +87,24 @@ def test_completions_greedy_matches_transformers_and_streams_the_same_text(opena
     assert "".join(c.choices[0].text for c in stream if c.choices) == done.choices[0].text
 
 
+def test_responses_and_anthropic_messages_give_the_chat_answer_through_the_real_mesh(mesh, openai_client):
+    """Same conversation, same template, greedy: the three chat-style APIs agree, streaming and not."""
+    import anthropic
+
+    question = "Name the largest planet in the solar system."
+    want = chat(openai_client, question, max_tokens=12, extra_body={"ignore_eos": True}).choices[0].message.content
+    r = openai_client.responses.create(model=MODEL, input=question, max_output_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}, store=False)
+    assert r.output_text == want
+    with anthropic.Anthropic(base_url=mesh.gateway_url, api_key="unused", max_retries=0) as client:
+        msg = client.messages.create(model=MODEL, max_tokens=12, extra_body={"ignore_eos": True, "temperature": 0},
+                                     messages=[{"role": "user", "content": question}])
+        assert msg.content[0].text == want and msg.stop_reason == "max_tokens"
+        with client.messages.stream(model=MODEL, max_tokens=12, extra_body={"ignore_eos": True, "temperature": 0},
+                                    messages=[{"role": "user", "content": question}]) as stream:
+            assert "".join(stream.text_stream) == want
+
+
 def test_streamed_deltas_concatenate_to_the_non_streamed_text(openai_client):
     content = "Write two sentences about the moon, with an emoji."
     full = chat(openai_client, content, max_tokens=48).choices[0].message.content
