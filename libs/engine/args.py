@@ -1,4 +1,4 @@
-"""Command-line options of engine workers (prefill, decode) -> ``EngineConfig``."""
+"""Command-line options of engine workers (prefill, decode) -> ``EngineConfig`` (+ ``MockConfig``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import os
 
 from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.mock import DEFAULT_COST, MockConfig, load_cost_file, parse_cost
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -29,11 +30,38 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy output independent of batch composition (slower attention)")
     p.add_argument("--no-packed-weights", action="store_true", help="do not pre-pack GEMM weights (MKL, fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--engine", choices=["native", "mock"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
+                   help="native: the model; mock: no model, steps sleep by a timing model, deterministic "
+                        "tokens (engine/mock.py; env DEEPINFER_ENGINE; default native)")
+    p.add_argument("--mock-cost", default=None, metavar="A,B,D,E",
+                   help="mock timing model: s/step, s/token, s/token pair, s/key gathered "
+                        "(default: fitted on SmolLM2-135M, 2-core CPU)")
+    p.add_argument("--mock-cost-file", default=None,
+                   help='mock timing model from JSON {"a", "b", "d", "e"} '
+                        "(write one with: python -m deepinfer.engine.mock fit --out FILE)")
+    p.add_argument("--mock-eos-rate", type=float, default=0.0,
+                   help="fraction of mock tokens that are EOS (default 0: never)")
+    p.add_argument("--heartbeat-s", type=float, default=float(os.environ.get("DEEPINFER_HEARTBEAT_S", 1.0)),
+                   help="seconds between load reports (env DEEPINFER_HEARTBEAT_S; default 1)")
     p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
                    help="storage tier root directory (shared across workers)")
 
 
+def mock_config(args) -> MockConfig | None:
+    """The mock engine's options, or None for the native engine."""
+    if args.engine != "mock":
+        return None
+    cost = DEFAULT_COST
+    if args.mock_cost_file:
+        cost = load_cost_file(args.mock_cost_file)
+    if args.mock_cost:
+        cost = parse_cost(args.mock_cost)
+    return MockConfig(cost=cost, eos_rate=args.mock_eos_rate)
+
+
 def engine_config(args, prefill_only: bool) -> EngineConfig:
+    # NOTE: a mock worker needs no intra-op threads; one each keeps dozens of them light.
+    threads = args.threads or (1 if getattr(args, "engine", "native") == "mock" else None)
     return EngineConfig(
         block_size=args.block_size,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
@@ -42,7 +70,7 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         prefill_only=prefill_only,
-        num_threads=args.threads,
+        num_threads=threads,
         enable_prefix_caching=not args.no_prefix_caching,
         step_time_budget_s=args.step_time_budget_ms / 1000 if args.step_time_budget_ms > 0 else None,
         calibrate=not args.no_calibrate,

@@ -111,6 +111,8 @@ class _Step:
 
 
 class LLMEngine:
+    engine_kind = "native"  # what load reports call this engine (``engine.mock.MockEngine``: "mock")
+
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         if config.num_threads:
@@ -155,9 +157,15 @@ class LLMEngine:
                                   num_window_blocks)
         # a sequence longer than the KV cache could never finish: cap it (it ends with "length")
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self._init_scheduling(mc.eos_token_ids)
+
+    def _init_scheduling(self, eos_token_ids: list[int]) -> None:
+        """The model-independent part: cost model, scheduler, counters, optional calibration
+        (needs ``config``, ``block_manager``, ``runner`` and ``max_model_len`` set)."""
+        config = self.config
         self.cost_model = StepCostModel()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, mc.eos_token_ids, self.cost_model,
+                                   self.max_model_len, eos_token_ids, self.cost_model,
                                    config.step_time_budget_s, min_chunk=config.block_size)
         self.generators: dict[str, torch.Generator] = {}
         self.peak_batch_size = 0
@@ -189,6 +197,10 @@ class LLMEngine:
             raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode())
+        if self.block_manager.enable_prefix_caching:
+            # NOTE: the hash chain the scheduler computes anyway (cached on the sequence),
+            # taken now so ``queued_prefill`` can see a waiting request's cached prefix.
+            self.block_manager.hashes(seq)
         if sampling.seed is not None:
             g = torch.Generator().manual_seed(sampling.seed)
             if sampling.temperature > 0:
@@ -411,3 +423,29 @@ class LLMEngine:
     @property
     def kv_tokens_capacity(self) -> int:
         return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def queued_prefill(self) -> tuple[int, float]:
+        """(tokens, predicted seconds) of prompt compute still queued here: over the
+        waiting and running sequences, the tokens without KV beyond one decode token,
+        priced by the cost model's ``piece_cost(n, c)`` (one piece per sequence; the
+        per-step cost ``a`` and re-gathering across chunks are not included).
+
+        A waiting sequence's context ``c`` is its prefix now in the prefix cache (its
+        hash chain is taken at ``add_request``). NOTE: read-only and safe to call from
+        another thread than the engine's (the load report does): it copies the queues
+        and reads ints, hashes and dict membership only.
+        """
+        bm, cost = self.block_manager, self.cost_model
+        tokens, seconds = 0, 0.0
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+            total, c = len(seq), seq.num_computed_tokens
+            if seq.status == SequenceStatus.WAITING and not c and bm.enable_prefix_caching:
+                hashes = seq.block_hashes[: max(0, (total - 1) // bm.block_size)]
+                hits = next((i for i, h in enumerate(hashes) if h not in bm.cached), len(hashes))
+                c = hits * bm.block_size
+            n = total - c
+            if n <= 1 and seq.status == SequenceStatus.RUNNING:  # decoding: no prefill left
+                continue
+            tokens += n
+            seconds += cost.piece_cost(n, c)
+        return tokens, seconds

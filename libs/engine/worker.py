@@ -1,8 +1,10 @@
 """Base of the engine workers (prefill, decode): an ``LLMEngine`` on its thread inside a mesh ``Service``.
 
-It owns what both workers share: the engine and its thread, the storage-tier
+It owns what both workers share: the engine (``LLMEngine``, or ``MockEngine``
+with ``--engine mock``) and its thread, the storage-tier
 ``BlockStore`` (rooted at the engine's model fingerprint, so both sides agree
-on block names), the I/O thread pool, load reports, and draining (wait for
+on block names), the I/O thread pool, load reports (every ``--heartbeat-s``:
+queue, KV use, queued prefill compute, cost model, prefix hits), and draining (wait for
 in-flight requests, bounded). Subclasses subscribe their handlers in
 ``setup()`` and turn engine outputs into messages in ``on_outputs()``.
 """
@@ -12,9 +14,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.engine.args import add_engine_args, engine_config
+from deepinfer.engine.args import add_engine_args, engine_config, mock_config
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
+from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.kvstore import BlockStore
 from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
@@ -27,9 +30,9 @@ class EngineWorker(Service):
     drain_timeout_s = 30.0
 
     def __init__(self, nats_url: str, model_dir: str, engine_cfg: EngineConfig, kv_root: str,
-                 worker_id: str | None = None):
-        super().__init__(nats_url, worker_id)
-        self.engine = LLMEngine(model_dir, engine_cfg)
+                 worker_id: str | None = None, mock: MockConfig | None = None, heartbeat_s: float = 1.0):
+        super().__init__(nats_url, worker_id, heartbeat_s)
+        self.engine = LLMEngine(model_dir, engine_cfg) if mock is None else MockEngine(model_dir, engine_cfg, mock)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
         self.requests: dict = {}  # request_id -> the request message, while it is in the engine
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
@@ -43,11 +46,18 @@ class EngineWorker(Service):
         raise NotImplementedError
 
     def load_report(self) -> LoadReport:
-        e = self.engine
+        """The engine's load now (runs on the service's loop while the engine thread steps:
+        reads counters and ``queued_prefill``, which are safe to read from here)."""
+        e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
+        queued_tokens, queued_s = e.queued_prefill()
         return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
                           waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
                           kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
-                          steps=e.num_steps)
+                          steps=e.num_steps, queued_prefill_tokens=queued_tokens, queued_prefill_s=queued_s,
+                          cost_a=cm.a, cost_b=cm.b, cost_d=cm.d, cost_e=cm.e,
+                          step_time_budget_s=e.config.step_time_budget_s or 0.0, block_size=bm.block_size,
+                          prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
+                          engine=e.engine_kind)
 
     def busy(self) -> bool:
         return bool(self.requests)
@@ -70,5 +80,5 @@ class EngineWorker(Service):
         add_engine_args(p)
         args = p.parse_args(argv)
         svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
-                  args.kv_root, args.worker_id)
+                  args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s)
         run_service(svc, args.log_level)

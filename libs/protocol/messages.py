@@ -205,6 +205,21 @@ class LoadReport:
     peak_batch_size: largest number of sequences in one forward step so far.
     interval_s: seconds between reports (a worker silent for a few intervals
     is considered dead).
+
+    For routing and admission (issue #6; appended with defaults, so older
+    senders and readers interoperate):
+    queued_prefill_tokens / queued_prefill_s: prompt tokens still to compute
+    (uncached) over the waiting and running requests, and the engine's cost
+    model's predicted compute for them in seconds (marginal piece costs
+    ``b·n + d·n(c + n/2) + e·(c + n)``, without the per-step ``cost_a``).
+    cost_a, cost_b, cost_d, cost_e: the fitted step cost model
+    (``engine.cost_model``, TECHNIQUES §3): seconds per step, per new token,
+    per (new token, key) pair and per key gathered from the cache.
+    step_time_budget_s: predicted compute per step prefill chunks may fill
+    (0 = no time budget). block_size: tokens per KV block.
+    prefix_hit_tokens / prefix_queried_tokens: prompt tokens served from the
+    prefix cache / prompt tokens looked up, since start (hit rate = ratio).
+    engine: "native" or "mock" ("" = an older worker).
     """
 
     role: str
@@ -217,6 +232,17 @@ class LoadReport:
     steps: int = 0
     interval_s: float = 1.0
     draining: bool = False
+    queued_prefill_tokens: int = 0
+    queued_prefill_s: float = 0.0
+    cost_a: float = 0.0
+    cost_b: float = 0.0
+    cost_d: float = 0.0
+    cost_e: float = 0.0
+    step_time_budget_s: float = 0.0
+    block_size: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    engine: str = ""
 
 
 @message
