@@ -108,6 +108,7 @@ class _Step:
     inputs: StepInputs
     pieces: list[tuple[int, int]]
     sampling: list[int]
+    started: float | None = None  # perf_counter when its forward pass began (None: not yet)
 
 
 class LLMEngine:
@@ -177,6 +178,7 @@ class LLMEngine:
         self.num_overlapped_steps = 0  # steps scheduled while the previous one ran
         self._forward_end: float | None = None
         self._inflight: tuple[_Step, Future] | None = None
+        self._launched: deque[_Step] = deque()  # launched, not finished (for queued_prefill)
         self._pool: ThreadPoolExecutor | None = None
         if config.calibrate:
             self.calibrate()
@@ -331,12 +333,14 @@ class LLMEngine:
         self.num_steps += 1
         self.num_computed_tokens_total += sum(n for n, _ in pieces)
         self.peak_batch_size = max(self.peak_batch_size, len(seqs))
-        return _Step(seqs, inputs, pieces, sampling)
+        step = _Step(seqs, inputs, pieces, sampling)
+        self._launched.append(step)
+        return step
 
     def _execute(self, step: "_Step") -> SampleResult:
         """Forward pass and sampling (on the forward thread in async mode)."""
         self.runner.fill(step.inputs)
-        t0 = time.perf_counter()
+        t0 = step.started = time.perf_counter()
         if self._forward_end is not None:
             self.step_gaps.append(t0 - self._forward_end)
         logits = self.runner.execute(step.inputs)
@@ -350,13 +354,21 @@ class LLMEngine:
 
     def _drop(self, step: "_Step") -> None:
         """Undo ``advance`` of a step that never came back (its forward pass failed)."""
+        self._forget_launched(step)
         for i, seq in enumerate(step.seqs):
             seq.num_inflight_steps -= 1
             if i in step.sampling:
                 seq.num_inflight_tokens -= 1
 
+    def _forget_launched(self, step: "_Step") -> None:
+        try:
+            self._launched.remove(step)
+        except ValueError:
+            pass
+
     def _finish(self, step: "_Step", result: SampleResult) -> list[StepOutput]:
         """Apply a step's sampled tokens; outputs for sequences still live; free finished ones."""
+        self._forget_launched(step)
         sampled = dict(zip(step.sampling, result.token_ids))
         logprobs = dict(zip(step.sampling, result.logprobs))
         live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
@@ -431,12 +443,27 @@ class LLMEngine:
         per-step cost ``a`` and re-gathering across chunks are not included).
 
         A waiting sequence's context ``c`` is its prefix now in the prefix cache (its
-        hash chain is taken at ``add_request``). NOTE: read-only and safe to call from
+        hash chain is taken at ``add_request``). Chunks already launched (a sequence's
+        ``num_computed_tokens`` counts them at launch) are counted from their steps: the
+        prefill pieces of a step not started yet in full, of the running one the part of
+        its predicted time not elapsed yet; with async scheduling that is up to two steps
+        of work the queues no longer show. NOTE: read-only and safe to call from
         another thread than the engine's (the load report does): it copies the queues
         and reads ints, hashes and dict membership only.
         """
         bm, cost = self.block_manager, self.cost_model
         tokens, seconds = 0, 0.0
+        now = time.perf_counter()
+        for step in list(self._launched):
+            prefill = [(n, c) for n, c in step.pieces if n > 1]
+            if not prefill:
+                continue
+            left = 1.0
+            if step.started is not None:
+                predicted = cost.predict(step.pieces)
+                left = max(0.0, 1.0 - (now - step.started) / predicted) if predicted > 0 else 0.0
+            tokens += round(left * sum(n for n, _ in prefill))
+            seconds += left * sum(cost.piece_cost(n, c) for n, c in prefill)
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             total, c = len(seq), seq.num_computed_tokens
             if seq.status == SequenceStatus.WAITING and not c and bm.enable_prefix_caching:

@@ -252,7 +252,7 @@ class MockEngine(LLMEngine):
     def _execute(self, step: _Step) -> SampleResult:
         """The mock forward pass: KV and next tokens, then sleep until the predicted step time."""
         self.runner.fill(step.inputs)
-        t0 = time.perf_counter()
+        t0 = step.started = time.perf_counter()
         if self._forward_end is not None:
             self.step_gaps.append(t0 - self._forward_end)
         next_tokens = self.runner.execute(step.inputs)

@@ -57,7 +57,8 @@ class EngineWorker(Service):
                           cost_a=cm.a, cost_b=cm.b, cost_d=cm.d, cost_e=cm.e,
                           step_time_budget_s=e.config.step_time_budget_s or 0.0, block_size=bm.block_size,
                           prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
-                          engine=e.engine_kind)
+                          engine=e.engine_kind, fingerprint=e.fingerprint,
+                          kv_block_bytes=e.block_bytes)
 
     def busy(self) -> bool:
         return bool(self.requests)

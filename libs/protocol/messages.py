@@ -120,6 +120,9 @@ class PrefillRequest:
     """gateway -> prefill: run the prompt, emit the first token, hand off to decode.
 
     stream_subject: where every ``TokenChunk`` of this request is published.
+    decode_worker: the decode worker the gateway's router chose (``deepinfer.gateway.router``);
+    prefill hands off to ``decode_submit(decode_worker)``, and to the decode queue group when
+    it is None or that worker refuses or does not answer.
     """
 
     request_id: str
@@ -128,6 +131,7 @@ class PrefillRequest:
     stream_subject: str
     traffic_class: str = "chat"
     cache_salt: str | None = None  # tenant key mixed into the prefix hashes: no sharing across salts
+    decode_worker: str | None = None
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -220,6 +224,10 @@ class LoadReport:
     prefix_hit_tokens / prefix_queried_tokens: prompt tokens served from the
     prefix cache / prompt tokens looked up, since start (hit rate = ratio).
     engine: "native" or "mock" ("" = an older worker).
+    fingerprint: the model fingerprint of this worker's KV blocks (``kvstore.hashing``; a
+    mock engine's differs from the model's), so a router can hash prompts as the worker does
+    and look them up in the kvindex ("" = unknown). kv_block_bytes: bytes of one KV block
+    over all layers (what loading a stored block reads; a mock reports the modelled model's).
     """
 
     role: str
@@ -243,6 +251,8 @@ class LoadReport:
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
     engine: str = ""
+    fingerprint: str = ""
+    kv_block_bytes: int = 0
 
 
 @message

@@ -11,7 +11,12 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  fresh ``request_id``.
  2. ADMIT        [chat.check_workers] The worker registry (fed by LoadReport
                  heartbeats on ``deepinfer.load.>``) must know a live
-                 tokenizer, prefill and decode worker, else 503.
+                 tokenizer, prefill and decode worker, else 503. Before
+                 submitting (step 4), [generate.admit, router, admission]
+                 the prompt is routed (prefill workers ranked by predicted
+                 finish time, a decode worker chosen) and held to the limits:
+                 in-flight streams, per-worker queued prefill, TTFT SLO ->
+                 429 with Retry-After.
  3. TOKENIZE     [chat.tokenize] ``EncodeChatRequest`` on TOKENIZER_ENCODE_CHAT.
                  EncodeChatReply -> 4; ErrorReply "bad_request" -> 400; no
                  tokenizer -> 503. The prompt length fixes max_tokens
@@ -22,7 +27,8 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  failing fails the request and aborts the others.
  4. SUBMIT       [stream.RequestStream.open] Subscribe to
                  ``deepinfer.stream.<request_id>`` first, then send the
-                 ``PrefillRequest`` on PREFILL_SUBMIT. SubmitReply(accepted)
+                 ``PrefillRequest`` to the router's best prefill workers in
+                 turn, then on PREFILL_SUBMIT [dispatch]. SubmitReply(accepted)
                  -> 5; no responders / refused / timeout -> 503.
  5. PREFILL WAIT [stream: Phase.PREFILL] Watching the prefill worker named in
                  the SubmitReply. Its first TokenChunk -> 6 (or 8 if final).
@@ -53,7 +59,8 @@ closes. The client disconnecting -> ``AbortRequest`` to
 ``deepinfer.<role>.<worker_id>.abort`` of the current worker (mid-handoff, also
 to the decode worker once it shows up).
 
-Modules: app (routes, lifespan, root span), chat (the handler), openai_schema
+Modules: router (prefill / decode routing), admission (429s), dispatch (submit
+with fallbacks), app (routes, lifespan, root span), chat (the handler), openai_schema
 (wire shapes), logprobs (token logprobs -> OpenAI entries), errors (OpenAI
 error bodies), stream (one request's token stream and liveness), registry
 (worker liveness), output / detokenizer / stop (tokens -> text), config

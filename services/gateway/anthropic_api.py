@@ -27,10 +27,11 @@ the call is only known once its closing tag arrives) / ``content_block_stop``, t
 ``message_delta`` (stop_reason, stop_sequence, usage.output_tokens) and ``message_stop``.
 
 Errors: ``{"type": "error", "error": {"type", "message"}}``: 400 ``invalid_request_error``,
-404 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 500 ``api_error``,
-504 ``timeout_error`` (a worker or the tokenizer timed out), 529 ``overloaded_error`` (no live
-worker took the request, or its worker was lost). All of them come before any SSE byte when
-detectable; after the stream started, a failure is an ``error`` event and the stream ends.
+404 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error`` (admission, with
+``Retry-After``), 500 ``api_error``, 504 ``timeout_error`` (a worker or the tokenizer timed
+out), 529 ``overloaded_error`` (no live worker took the request, or its worker was lost). All of
+them come before any SSE byte when detectable; after the stream started, a failure is an
+``error`` event and the stream ends.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def error_body(e: OpenAIError) -> dict:
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=error_status(e))
+    return JSONResponse(error_body(e), status_code=error_status(e), headers=e.headers)
 
 
 # --- validation and the prompt --------------------------------------------------------------

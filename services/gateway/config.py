@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.gateway.admission import AdmissionConfig
 from deepinfer.gateway.detokenizer import Decoder
+from deepinfer.gateway.router import RouterConfig
 from deepinfer.gateway.stream import StreamTimeouts
 
 # config.json keys that carry the context length, by model family, in order of preference.
@@ -39,6 +41,8 @@ class GatewayConfig:
     max_body_bytes: int = 32 << 20  # larger request bodies get 413
     # Redis for stored responses (/v1/responses ``store`` / ``previous_response_id``); None = no storage
     redis_url: str | None = None
+    routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (router.py)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (admission.py)
 
 
 @dataclass

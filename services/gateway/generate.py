@@ -7,6 +7,11 @@ and ``n``; ``open_choices`` submits the n choices (one ``RequestStream`` and
 still be HTTP errors; ``chunks`` then yields ``(choice, chunk)`` as they
 arrive. Errors are ``OpenAIError`` (status, message, type, code); each API
 renders them in its own shape.
+
+Before anything is submitted, ``admit`` routes and admits the choices (``router``: a
+ranked plan of prefill workers and a decode worker per choice; ``admission``: 429 with
+Retry-After past the in-flight limit, the per-worker queue limit or the TTFT SLO), so
+every API surface gets routing and admission the same way.
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deepinfer.gateway import logprobs as lp
+from deepinfer.gateway.admission import Admission
 from deepinfer.gateway.config import GatewayConfig, ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.router import Plan, Router
 from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
 from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import SamplingParams, TokenChunk
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
 
 REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
 
@@ -37,10 +47,25 @@ class Gateway:
     registry: WorkerRegistry
     mesh: MeshClient | None = None
     token_bytes: lp.TokenBytes | None = None
+    router: Router | None = None
+    admission: Admission | None = None
 
     def __post_init__(self):
         if self.token_bytes is None:
             self.token_bytes = lp.TokenBytes(self.model.tokenizer)
+        if self.router is None:
+            self.router = Router(self.registry, self.config.routing)
+        if self.admission is None:
+            self.admission = Admission(self.config.admission)
+        self._kv_index = None
+
+    def kv_index(self):
+        """The kvindex client for prefix lookups (None before the mesh is connected)."""
+        if self._kv_index is None and self.mesh is not None:
+            from deepinfer.kvstore import KVIndexClient
+
+            self._kv_index = KVIndexClient(self.mesh, self.config.worker_id, "")
+        return self._kv_index
 
 
 
@@ -57,6 +82,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     # tool calls split out of the text (off unless the API request offered tools)
     tool_parser: ToolCallParser = field(default_factory=lambda: ToolCallParser(enabled=False))
+    gateway: "Gateway | None" = None  # for routing and admission (None: queue group, no limits)
 
     @property
     def done(self) -> bool:
@@ -93,10 +119,12 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
     NOTE: submits are not cancelled midway (a worker may have accepted one
     whose reply we would never read, and it could not be aborted); each is
     bounded by the submit timeout. Waits for a first token are cancelled.
+    Raises a 429 ``OpenAIError`` (``admit``) before submitting anything.
     """
+    plans = await admit(choices, prompt_ids, sampling)
     try:
         submits = await asyncio.gather(
-            *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index)) for c in choices),
+            *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index), plan) for c, plan in zip(choices, plans)),
             return_exceptions=True,
         )
     except BaseException:  # cancelled
@@ -105,16 +133,22 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
         raise
     failed = next((e for e in submits if isinstance(e, BaseException)), None)
     if failed is not None:
+        release(plans)
         await abort_all(choices)
         if isinstance(failed, StreamError):
             raise http_error(failed) from None
         raise failed
 
-    async def first(c: Choice) -> None:
-        c.first = await c.stream.next_chunk(is_disconnected)
+    async def first(c: Choice, plan: Plan | None) -> None:
+        try:
+            c.first = await c.stream.next_chunk(is_disconnected)
+        except BaseException:
+            release([plan])
+            raise
+        release([plan], arrived=c.first.finish_reason not in ("error", "abort"))
         raise_if_failed(c.first)
 
-    tasks = [asyncio.ensure_future(first(c)) for c in choices]
+    tasks = [asyncio.ensure_future(first(c, plan)) for c, plan in zip(choices, plans)]
     try:
         await asyncio.gather(*tasks)
     except BaseException as e:
@@ -129,6 +163,46 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
         if isinstance(e, StreamError):
             raise http_error(e) from None
         raise
+
+
+async def admit(choices: list[Choice], prompt_ids: list[int], sampling: SamplingParams) -> list[Plan | None]:
+    """Count the choices in flight, route each (``Router.plan``), hold it to the limits
+    (``Admission.check``) and book it (``Router.commit``). Raises a 429 ``OpenAIError``; then
+    nothing stays booked or counted. Choices without a gateway get no plan (the queue group)."""
+    gw = choices[0].gateway if choices else None
+    if gw is None:
+        return [None] * len(choices)
+    streams = [c.stream for c in choices]
+    gw.admission.enter(streams)
+    plans: list[Plan] = []
+    started = gw.router.clock()
+    try:
+        predicted = gw.router.config.prefill_policy in ("predicted", "dynamo")
+        first = choices[0].stream
+        shape = await gw.router.shape(gw.kv_index() if predicted or gw.admission.config.needs_prediction else None,
+                                      prompt_ids, first.traffic_class, first.cache_salt, sampling.max_tokens)
+        for c in choices:
+            plan = gw.router.plan(c.stream.request_id, shape)
+            gw.admission.check(plan)
+            gw.router.commit(plan, gw.admission.config.ttft_slo_s, started_at=started)
+            plans.append(plan)
+            log.debug("routed", request_id=plan.request_id, prompt_tokens=shape.num_tokens,
+                      cached_tokens=shape.cached_tokens, predicted_ttft_s=plan.predicted_ttft_s,
+                      ranked=[(c.worker_id, round(c.finish_s, 3), round(c.queue_s, 3)) for c in plan.candidates[:4]],
+                      decode=plan.decode_worker)
+    except BaseException:
+        gw.admission.leave(streams)
+        for plan in plans:
+            gw.router.forget(plan)
+        raise
+    return plans
+
+
+def release(plans: list[Plan | None], arrived: bool = False) -> None:
+    """The plans' requests have their first token (``arrived``) or failed: no deadline to protect any more."""
+    for plan in plans:
+        if plan is not None and plan.router is not None:
+            plan.router.first_token(plan, arrived)
 
 
 async def abort_all(choices: list[Choice]) -> None:
@@ -196,7 +270,7 @@ def new_choices(gw: "Gateway", request_id: str, n: int, stop: list[str], traffic
     return [
         Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
                                 gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt),
-               OutputProcessor(gw.model.tokenizer, stop))
+               OutputProcessor(gw.model.tokenizer, stop), gateway=gw)
         for i in range(n)
     ]
 

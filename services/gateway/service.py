@@ -16,8 +16,10 @@ import signal
 
 import uvicorn
 
+from deepinfer.gateway.admission import AdmissionConfig
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
+from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
 from deepinfer.gateway.stream import StreamTimeouts
 from deepinfer.telemetry import configure_logging, configure_tracing
 
@@ -36,6 +38,19 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"))
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without output before a request fails")
     p.add_argument("--handoff-timeout", type=float, default=15.0, help="seconds prefill->decode may take")
+    p.add_argument("--prefill-router", choices=PREFILL_POLICIES, default=env("DEEPINFER_PREFILL_ROUTER", "predicted"),
+                   help="prefill routing: predicted (smallest predicted finish time, default), round_robin, "
+                        "least_loaded, dynamo (Dynamo's KV-router cost) (env DEEPINFER_PREFILL_ROUTER)")
+    p.add_argument("--kv-load-bytes-per-s", type=float, default=2e9,
+                   help="storage-tier read rate the router prices stored prefix blocks at (default 2e9)")
+    p.add_argument("--dynamo-overlap-weight", type=float, default=1.0, help="w of --prefill-router dynamo (default 1)")
+    p.add_argument("--ttft-slo-s", type=float, default=None,
+                   help="answer 429 + Retry-After when the predicted time to first token exceeds this (default off)")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="answer 429 beyond this many generation streams in flight (default off)")
+    p.add_argument("--max-queued-prefill-s", type=float, default=None,
+                   help="per prefill worker: predicted seconds of queued prompt compute beyond which it takes "
+                        "no more; none left -> 429 (default off)")
     a = p.parse_args(argv)
     return GatewayConfig(
         nats_url=a.nats,
@@ -48,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         worker_id=a.worker_id,
         log_level=a.log_level,
         timeouts=StreamTimeouts(inactivity_s=a.request_timeout, handoff_s=a.handoff_timeout),
+        routing=RouterConfig(prefill_policy=a.prefill_router, kv_load_bytes_per_s=a.kv_load_bytes_per_s,
+                             dynamo_overlap_weight=a.dynamo_overlap_weight),
+        admission=AdmissionConfig(ttft_slo_s=a.ttft_slo_s, max_inflight=a.max_inflight,
+                                  max_queued_prefill_s=a.max_queued_prefill_s),
     )
 
 

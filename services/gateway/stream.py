@@ -4,7 +4,8 @@
 (chunks) or ``open`` / ``abort`` / ``_fail`` (the gateway's own decisions):
 
   SUBMITTING -- subscribed to ``stream(request_id)`` (before submitting, so no
-                chunk is lost), PrefillRequest sent on PREFILL_SUBMIT.
+                chunk is lost), PrefillRequest sent to the router's choice of
+                prefill worker, else on PREFILL_SUBMIT (``dispatch.submit_prefill``).
                 SubmitReply accepted -> PREFILL. No responders, refusal or
                 timeout -> ``StreamError`` (HTTP 503).
   PREFILL    -- watching the prefill worker of the SubmitReply.
@@ -32,14 +33,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from deepinfer.gateway.dispatch import submit_prefill
 from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.router import Plan
 from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (
     AbortRequest,
     PrefillRequest,
     ProtocolError,
     SamplingParams,
-    SubmitReply,
     TokenChunk,
     subjects,
     unpack,
@@ -121,15 +123,15 @@ class RequestStream:
         self._chasing = False
 
     # --- the gateway's decisions ---------------------------------------------
-    async def open(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Subscribe to the stream, then submit the prefill. Raises StreamError."""
+    async def open(self, prompt_token_ids: list[int], sampling: SamplingParams, plan: Plan | None = None) -> None:
+        """Subscribe to the stream, then submit the prefill (to ``plan``'s workers first, then
+        the queue group; ``plan.decode_worker`` goes along for the handoff). Raises StreamError."""
         subject = subjects.stream(self.request_id)
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
-        req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt)
+        req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt,
+                             decode_worker=plan.decode_worker if plan is not None else None)
         try:
-            reply = await self.mesh.request(
-                subjects.PREFILL_SUBMIT, req, timeout=self.timeouts.submit_s, expect=SubmitReply
-            )
+            reply = await submit_prefill(self.mesh, req, plan, self.timeouts.submit_s)
         except NoResponders:
             await self._fail()
             raise StreamError("no prefill worker is running")

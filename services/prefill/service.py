@@ -18,8 +18,11 @@ Lifecycle of a request in this service:
      as stored), the partial last block under an ephemeral key. A write that
      fails (storage full, read-only) is skipped: the blocks are then handed
      off as a recompute (decode finds them missing), serving goes on.
-  5. ``DecodeRequest`` to ``deepinfer.decode.submit`` (any decode worker);
-     if no decode worker takes it, the request ends with an error chunk.
+  5. ``DecodeRequest`` to the decode worker the gateway chose
+     (``PrefillRequest.decode_worker``: ``deepinfer.decode.<worker_id>.submit``),
+     else, or if that one refuses or does not answer in ``TARGET_HANDOFF_TIMEOUT_S``,
+     to ``deepinfer.decode.submit`` (any decode worker); if no decode worker
+     takes it, the request ends with an error chunk.
 An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` (or the broadcast
 ``deepinfer.prefill.abort``, sent when a submit's reply was lost) drops a request
 still queued or running here; an id aborted before its submit arrives is refused.
@@ -36,13 +39,15 @@ from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephemeral_key
 from deepinfer.kvstore.store import EPHEMERAL
-from deepinfer.mesh import MeshError
-from deepinfer.protocol import AbortRequest, DecodeRequest, PrefillRequest, SubmitReply, TokenChunk, subjects
+from deepinfer.mesh import MeshError, RequestTimeout
+from deepinfer.protocol import (AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, TokenChunk,
+                                subjects)
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
 HANDOFF_TIMEOUT_S = 10.0
+TARGET_HANDOFF_TIMEOUT_S = 3.0  # the gateway's chosen decode worker, before the queue group
 ABORTED_MEMORY = 4096  # request ids remembered as aborted
 
 
@@ -162,7 +167,7 @@ class PrefillService(EngineWorker):
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
                 traffic_class=req.traffic_class, cache_salt=req.cache_salt,
             )
-            reply = await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
+            reply = await self.hand_off(req, handoff)
             if not reply.accepted:
                 raise MeshError(f"decode refused: {reply.error}")
         except Exception as e:
@@ -170,6 +175,23 @@ class PrefillService(EngineWorker):
             await self.mesh.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
                 finish_reason="error", error=f"handoff to decode failed: {e}"))
+
+    async def hand_off(self, req: PrefillRequest, handoff: DecodeRequest) -> SubmitReply:
+        """Submit to ``req.decode_worker`` if set; on refusal or no answer, to the queue group."""
+        if req.decode_worker:
+            try:
+                reply = await self.mesh.request(subjects.decode_submit(req.decode_worker), handoff,
+                                                TARGET_HANDOFF_TIMEOUT_S, expect=SubmitReply)
+                if reply.accepted:
+                    return reply
+                why = f"refused: {reply.error}"
+            except RequestTimeout:
+                await self.mesh.publish(subjects.abort("decode", req.decode_worker), AbortRequest(req.request_id))
+                why = "no answer in time"
+            except (MeshError, ProtocolError) as e:
+                why = f"{type(e).__name__}: {e}"
+            log.info("decode_target_fallback", request_id=req.request_id, worker=req.decode_worker, reason=why)
+        return await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
 
     def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """Write the prompt's KV blocks (runs on the I/O pool). Returns (keys of all blocks

@@ -1,0 +1,70 @@
+"""Submitting a prefill to the router's choice, with fallbacks (issue #6, item 2).
+
+``submit_prefill`` sends the ``PrefillRequest`` to ``prefill_submit(worker)`` for each of the
+plan's first ``max_targeted`` candidates in turn (each given ``targeted_timeout_s``), and then,
+if none accepted, to the queue group ``deepinfer.prefill.submit`` (any worker) with what is left
+of the submit timeout:
+
+  accepted                       -> done (the router books it on the worker that accepted)
+  refused / no responders /
+  bad reply / internal error     -> the next candidate
+  no answer in time              -> ``AbortRequest`` to that worker only (so a late submit is
+                                    refused or dropped there), then the next candidate
+  "bad_request" error            -> raised at once (every worker would refuse it)
+
+Without a plan (or with no candidates) it is exactly one queue-group submit. The last attempt's
+``SubmitReply`` is returned (it may be a refusal) and its exceptions (``NoResponders``,
+``RequestTimeout``, ``RemoteError``, ``ProtocolError``) propagate, as from ``MeshClient.request``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepinfer.gateway.router import Plan
+from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
+from deepinfer.protocol import AbortRequest, PrefillRequest, ProtocolError, SubmitReply, subjects
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | None, timeout_s: float) -> SubmitReply:
+    deadline = time.monotonic() + timeout_s
+    router = plan.router if plan is not None else None
+    if router is not None:
+        cfg = router.config
+        for cand in plan.candidates[: cfg.max_targeted]:
+            left = deadline - time.monotonic()
+            if left <= 0.5:  # keep time for the queue group
+                break
+            worker = cand.worker_id
+            try:
+                reply = await mesh.request(subjects.prefill_submit(worker), req,
+                                           min(cfg.targeted_timeout_s, left - 0.5), expect=SubmitReply)
+            except RemoteError as e:
+                if e.kind == "bad_request":
+                    raise
+                why = f"error: {e}"
+            except RequestTimeout:
+                await mesh.publish(subjects.abort("prefill", worker), AbortRequest(req.request_id))
+                why = "no answer in time"
+            except (NoResponders, ProtocolError) as e:
+                why = type(e).__name__
+            else:
+                if reply.accepted:
+                    router.accepted(plan, reply.worker_id)
+                    return reply
+                why = f"refused: {reply.error}"
+            router.failed(plan, worker)
+            log.info("prefill_target_fallback", request_id=req.request_id, worker=worker, reason=why)
+    try:
+        reply = await mesh.request(subjects.PREFILL_SUBMIT, req, max(deadline - time.monotonic(), 0.5),
+                                   expect=SubmitReply)
+    except BaseException:
+        if router is not None:
+            router.forget(plan)
+        raise
+    if router is not None:
+        router.accepted(plan, reply.worker_id) if reply.accepted else router.forget(plan)
+    return reply

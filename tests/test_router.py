@@ -1,0 +1,637 @@
+"""Routing and admission (issue #6, items 2 and 3): scoring on synthetic load reports, the submit
+fallbacks, 429 shapes, and the acceptance runs on a mesh of mock workers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
+from deepinfer.gateway.dispatch import submit_prefill
+from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.router import PromptShape, Router, RouterConfig
+from deepinfer.models.convert import DEFAULT_MODEL_NAME
+from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
+from deepinfer.protocol import AbortRequest, LoadReport, PrefillRequest, SamplingParams, SubmitReply, subjects
+
+COST = dict(cost_a=0.01, cost_b=1e-4, cost_d=1e-9, cost_e=1e-6)  # seconds: step, token, token pair, key
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def prefill(wid: str, **kw) -> LoadReport:
+    kw = {**COST, **kw}
+    return LoadReport(role="prefill", worker_id=wid, block_size=16, **kw)
+
+
+def decode(wid: str, **kw) -> LoadReport:
+    return LoadReport(role="decode", worker_id=wid, block_size=16, **kw)
+
+
+def setup(*reports: LoadReport, policy: str = "predicted", clock=None):
+    clock = clock or Clock()
+    reg = WorkerRegistry(clock=clock)
+    for r in reports:
+        reg.observe(r)
+    return reg, Router(reg, RouterConfig(prefill_policy=policy), clock=clock), clock
+
+
+def first(router: Router, n: int = 100, rid: str = "r") -> str:
+    return router.plan(rid, PromptShape(num_tokens=n)).candidates[0].worker_id
+
+
+# --- prefill scoring -------------------------------------------------------------------------
+def test_predicted_finish_picks_the_worker_that_finishes_first_even_with_more_requests():
+    busy = prefill("p-busy", active_requests=6, waiting_requests=4, queued_prefill_s=0.05)
+    few = prefill("p-few", active_requests=1, waiting_requests=0, queued_prefill_s=3.0)  # one huge prompt
+    _, router, _ = setup(busy, few)
+    plan = router.plan("r", PromptShape(num_tokens=200))
+    assert plan.candidates[0].worker_id == "p-busy"
+    own = 1e-4 * 200 + 1e-9 * 200 * 100 + 1e-6 * 200
+    assert plan.predicted_ttft_s == pytest.approx(0.05 + own + 0.01)
+    assert [c.worker_id for c in plan.candidates] == ["p-busy", "p-few"]
+    # the request-count baseline goes the other way
+    _, ll, _ = setup(busy, few, policy="least_loaded")
+    assert first(ll) == "p-few"
+
+
+def test_predicted_finish_uses_each_workers_own_coefficients_and_the_stored_prefix():
+    slow = prefill("p-slow", cost_b=1e-3, queued_prefill_s=0.0)
+    fast = prefill("p-fast", cost_b=1e-4, queued_prefill_s=0.5)
+    _, router, _ = setup(slow, fast)
+    # 2000 new tokens: 2 s on the slow one, 0.2 + 0.5 s on the fast one
+    assert first(router, 2000) == "p-fast"
+    # 1984 of 2000 tokens stored: 16 new tokens, the idle slow worker wins; load time is priced
+    stored = PromptShape(num_tokens=2000, cached_tokens=1984, stored_blocks=124)
+    slow.kv_block_bytes = fast.kv_block_bytes = 1 << 20
+    plan = router.plan("r2", stored)
+    assert plan.candidates[0].worker_id == "p-slow"
+    load = 124 * (1 << 20) / 2e9
+    assert plan.predicted_ttft_s == pytest.approx(1e-3 * 16 + 1e-9 * 16 * (1984 + 8) + 1e-6 * 2000 + 0.01 + load)
+
+
+def test_step_time_budget_adds_the_per_step_cost_of_every_step_the_queue_takes():
+    r = prefill("p", queued_prefill_s=1.0, step_time_budget_s=0.25)
+    _, router, _ = setup(r)
+    plan = router.plan("r", PromptShape(num_tokens=1))
+    assert plan.predicted_ttft_s == pytest.approx(1.0 + plan.candidates[0].compute_s + 5 * 0.01)  # ceil(1.0x / .25)
+
+
+def burst(router: Router, n: int, tokens: int = 3000, accept: bool = False) -> list[str]:
+    chosen = []
+    for i in range(n):
+        plan = router.plan(f"r{i}", PromptShape(num_tokens=tokens))
+        router.commit(plan)
+        if accept:
+            router.accepted(plan, plan.candidates[0].worker_id)
+        chosen.append(plan.candidates[0].worker_id)
+    return chosen
+
+
+def test_work_sent_since_the_last_report_spreads_a_burst_until_a_report_shows_it():
+    reports = lambda: [prefill("p0")] + [prefill(f"p{i}", queued_prefill_s=0.01) for i in (1, 2, 3)]  # noqa: E731
+    reg, router, clock = setup(*reports())
+    chosen = burst(router, 8, accept=True)  # a burst between two heartbeats: the reports say "idle"
+    assert sorted(chosen) == sorted([f"p{i}" for i in range(4)] * 2)
+    assert router.sent_counts() == {f"p{i}": 2 for i in range(4)}
+    # p0's next report (which holds its two) replaces its bookings
+    clock.t += 1.0
+    reg.observe(prefill("p0", queued_prefill_s=0.7))
+    plan = router.plan("x", PromptShape(num_tokens=10))
+    assert "p0" not in router.sent_counts()
+    assert next(c for c in plan.candidates if c.worker_id == "p0").queue_s == pytest.approx(0.7)
+    # without the compensation (bookings taken as already reported) the whole burst goes to p0
+    _, blind, _ = setup(*reports())
+    blind.config.report_margin_s = -1e9
+    assert burst(blind, 8, accept=True) == ["p0"] * 8
+
+
+def test_a_refusal_moves_the_booking_to_the_worker_that_accepted():
+    _, router, _ = setup(prefill("p0"), prefill("p1"))
+    plan = router.plan("r", PromptShape(num_tokens=500))
+    router.commit(plan)
+    booked = plan.candidates[0].worker_id
+    other = plan.candidates[1].worker_id
+    router.failed(plan, booked)
+    router.accepted(plan, other)
+    assert router.sent_counts() == {other: 1}
+    router.forget(plan)
+    assert router.sent_counts() == {}
+
+
+def test_draining_and_silent_workers_are_not_candidates():
+    clock = Clock()
+    reg, router, _ = setup(prefill("p0"), prefill("p1", draining=True), clock=clock)
+    clock.t += 10
+    reg.observe(prefill("p2"))
+    assert [c.worker_id for c in router.plan("r", PromptShape(num_tokens=10)).candidates] == ["p2"]
+
+
+def test_round_robin_cycles_over_the_workers_whatever_their_load():
+    _, router, _ = setup(prefill("a", queued_prefill_s=9), prefill("b"), prefill("c"), policy="round_robin")
+    assert [first(router, rid=str(i)) for i in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_least_loaded_counts_requests_including_those_sent_since_the_report():
+    _, router, _ = setup(prefill("a", active_requests=1), prefill("b", active_requests=1, waiting_requests=2),
+                         prefill("c", active_requests=3, queued_prefill_s=0), policy="least_loaded")
+    picks = []
+    for i in range(5):
+        plan = router.plan(str(i), PromptShape(num_tokens=10))
+        router.commit(plan)
+        picks.append(plan.candidates[0].worker_id)
+    assert picks[:2] == ["a", "a"]  # 1, then 2 (one sent since the report), then all three tie at 3
+    assert sorted(picks[2:]) == ["a", "b", "c"]
+
+
+def test_dynamo_cost_is_weighted_prefill_blocks_plus_decode_blocks():
+    # a: 320 queued tokens (20 blocks), 0 held; b: nothing queued, 480 tokens held (30 blocks)
+    a = prefill("a", queued_prefill_tokens=320, kv_tokens_used=0)
+    b = prefill("b", queued_prefill_tokens=0, kv_tokens_used=480)
+    _, router, _ = setup(a, b, policy="dynamo")
+    plan = router.plan("r", PromptShape(num_tokens=160, cached_tokens=64, stored_blocks=4))
+    scores = {c.worker_id: c.score for c in plan.candidates}
+    assert scores == {"a": pytest.approx((320 + 96) / 16 + 10), "b": pytest.approx(96 / 16 + 30 + 10)}
+    assert plan.candidates[0].worker_id == "a"
+    router.config.dynamo_overlap_weight = 2.0  # prefill-heavier weighting flips it
+    assert first(router, 160) == "b"
+
+
+# --- decode --------------------------------------------------------------------------------
+def test_decode_prefers_fewer_requests_and_less_kv_and_never_exceeds_capacity():
+    full = decode("d-full", kv_tokens_used=9_500, kv_tokens_capacity=10_000, active_requests=1)
+    busy = decode("d-busy", kv_tokens_used=2_000, kv_tokens_capacity=10_000, active_requests=20)
+    idle = decode("d-idle", kv_tokens_used=1_000, kv_tokens_capacity=10_000, active_requests=2)
+    _, router, _ = setup(full, busy, idle)
+    shape = PromptShape(num_tokens=1_000, max_tokens=64)
+    assert router.choose_decode(shape, "r0", until=2e9) == "d-idle"
+    # a burst: bookings count against capacity until the workers' reports catch up
+    picks = [router.choose_decode(shape, f"r{i}", until=2e9) for i in range(1, 40)]
+    assert "d-full" not in picks  # 500 tokens free < 1064 needed
+    held = {w: picks.count(w) + (w == "d-idle") for w in ("d-busy", "d-idle")}
+    assert held["d-idle"] * 1064 + 1000 <= 10_000 and held["d-busy"] * 1064 + 2000 <= 10_000
+    assert picks[-1] is None  # everyone is full: the queue group (a worker's scheduler waits)
+
+
+def test_decode_bookings_expire():
+    clock = Clock()
+    _, router, _ = setup(decode("d", kv_tokens_used=0, kv_tokens_capacity=2000), clock=clock)
+    shape = PromptShape(num_tokens=1500, max_tokens=16)
+    assert router.choose_decode(shape, "a", until=clock.t + 2) == "d"
+    assert router.choose_decode(shape, "b", until=clock.t + 2) is None
+    clock.t += 3
+    assert router.choose_decode(shape, "c", until=clock.t + 2) == "d"
+
+
+def test_commit_passes_the_decode_choice_in_the_plan():
+    _, router, _ = setup(prefill("p"), decode("d0", kv_tokens_capacity=5000, active_requests=3),
+                         decode("d1", kv_tokens_capacity=5000))
+    plan = router.plan("r", PromptShape(num_tokens=100))
+    router.commit(plan)
+    assert plan.decode_worker == "d1"
+
+
+# --- the load report the router relies on ------------------------------------------------------
+def test_queued_prefill_counts_chunks_in_flight_so_a_busy_worker_never_reads_idle():
+    """With async scheduling up to two chunks are launched (and counted computed) ahead; the
+    report must still show their compute until it is done, else a worker mid-prompt looks idle."""
+    import threading
+    import time
+
+    from deepinfer.engine.llm_engine import EngineConfig
+    from deepinfer.engine.mock import MockConfig, MockEngine
+    from deepinfer.models.convert import ensure_default_model
+
+    e = MockEngine(ensure_default_model(progress=False),
+                   EngineConfig(prefill_only=True, step_time_budget_s=0.1, calibrate=True),
+                   MockConfig(cost=(0.004, 2e-4, 1e-9, 1e-7)))
+    e.add_request("a", [1000 + i % 5000 for i in range(2500)], SamplingParams(max_tokens=2))
+    total = e.queued_prefill()[1]
+    samples, done = [], threading.Event()
+
+    def watch():
+        t0 = time.monotonic()
+        while not done.is_set():
+            samples.append((time.monotonic() - t0, *e.queued_prefill()))
+            time.sleep(0.02)
+
+    th = threading.Thread(target=watch)
+    th.start()
+    t0 = time.monotonic()
+    while e.has_unfinished():
+        e.step_async()
+    elapsed = time.monotonic() - t0
+    done.set()
+    th.join()
+    assert 0.45 < total < 0.6 and elapsed > total
+    running = [(t, tok, sec) for t, tok, sec in samples if t < elapsed - 0.15]
+    assert running and all(tok > 0 and sec > 0 for _, tok, sec in running)  # never idle mid-prompt
+    # what is left follows the clock (a queue drains one second of compute per second)
+    assert all(abs(sec - (total - t)) < 0.15 for t, _, sec in running), running
+
+
+# --- admission -------------------------------------------------------------------------------
+def test_slo_rejects_with_retry_after_when_the_best_prediction_is_too_late():
+    _, router, _ = setup(prefill("a", queued_prefill_s=4.2), prefill("b", queued_prefill_s=6.0))
+    adm = Admission(AdmissionConfig(ttft_slo_s=1.0))
+    plan = router.plan("r", PromptShape(num_tokens=100))
+    with pytest.raises(Exception) as e:
+        adm.check(plan)
+    err = e.value
+    assert err.status == 429 and err.code == "ttft_slo" and err.headers == {"Retry-After": "4"}  # ceil(4.23 - 1)
+    ok = router.plan("r", PromptShape(num_tokens=100))
+    Admission(AdmissionConfig(ttft_slo_s=5.0)).check(ok)
+    assert ok.candidates[0].worker_id == "a"
+
+
+def test_slo_skips_workers_that_would_push_an_earlier_request_past_its_deadline():
+    clock = Clock()
+    _, router, _ = setup(prefill("a"), prefill("b", queued_prefill_s=0.45), clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=1.0))
+    r1 = router.plan("r1", PromptShape(num_tokens=4000))  # ~0.41 s on a
+    adm.check(r1)
+    router.commit(r1, ttft_slo_s=1.0)
+    assert r1.candidates[0].worker_id == "a"
+    clock.t += 0.5  # r1's deadline is 0.5 s away; a's queue (the booking) takes ~0.41 s plus the next one
+    r2 = router.plan("r2", PromptShape(num_tokens=1000))
+    assert r2.candidates[0].worker_id == "a"  # a finishes r2 first (0.53 s vs 0.56 s on b)...
+    adm.check(r2)
+    assert [c.worker_id for c in r2.candidates] == ["b"]  # ...but r1 could then miss its deadline
+    router.commit(r2, ttft_slo_s=1.0)
+    clock.t += 0.3  # deadlines: r1 in 0.2 s (a), r2 in 0.7 s (b)
+    r3 = router.plan("r3", PromptShape(num_tokens=3000))  # 0.73 s on a, 0.87 s on b: within the SLO...
+    assert max(c.finish_s for c in r3.candidates) < 1.0
+    with pytest.raises(Exception) as e:  # ...but each would make an earlier request late
+        adm.check(r3)
+    assert e.value.status == 429 and e.value.code == "ttft_slo" and e.value.headers == {"Retry-After": "1"}
+    router.first_token(r1)  # r1 has its first token: a may take more
+    r4 = router.plan("r4", PromptShape(num_tokens=2000))
+    adm.check(r4)
+    assert [c.worker_id for c in r4.candidates] == ["a"]
+
+
+def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_slo():
+    clock = Clock()
+    reg, router, _ = setup(prefill("a"), clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=1.0))
+    shape = PromptShape(num_tokens=7000)  # ~0.74 s predicted
+    for i in range(8):
+        plan = router.plan(f"r{i}", shape)
+        adm.check(plan)
+        router.commit(plan, ttft_slo_s=1.0)
+        router.accepted(plan, "a")
+        clock.t += plan.predicted_ttft_s + (0.4 if i % 2 else 0.3)  # first tokens come 0.3-0.4 s late
+        reg.observe(prefill("a"))  # done: its report shows an empty queue again
+        router.first_token(plan, arrived=True)
+        assert router.ttft_bias_s() == (0.0 if i < 7 else pytest.approx(0.35))
+    with pytest.raises(Exception) as e:
+        adm.check(router.plan("late", shape))  # 0.73 + 0.35 > 1.0
+    assert e.value.code == "ttft_slo"
+    adm.check(router.plan("ok", PromptShape(num_tokens=5000)))  # 0.53 + 0.35
+    failed = router.plan("failed", shape)
+    router.commit(failed)
+    router.first_token(failed)  # ended without a first token: no sample
+    assert len(router._errors) == 8
+
+
+def test_queue_limit_skips_full_workers_and_rejects_when_none_is_left():
+    _, router, _ = setup(prefill("a", queued_prefill_s=2.5), prefill("b", queued_prefill_s=0.0, cost_b=1e-2),
+                         policy="round_robin")
+    adm = Admission(AdmissionConfig(max_queued_prefill_s=2.0))
+    plan = router.plan("r", PromptShape(num_tokens=100))  # round robin says a first
+    adm.check(plan)
+    assert [c.worker_id for c in plan.candidates] == ["b"]
+    huge = router.plan("r2", PromptShape(num_tokens=400))  # 4 s on b: b is idle, so it may still take it
+    adm.check(huge)
+    assert [c.worker_id for c in huge.candidates] == ["b"]
+    _, busy, _ = setup(prefill("a", queued_prefill_s=2.5), prefill("b", queued_prefill_s=3.1))
+    with pytest.raises(Exception) as e:
+        adm.check(busy.plan("r3", PromptShape(num_tokens=100)))
+    assert e.value.status == 429 and e.value.code == "prefill_queue_full" and e.value.headers["Retry-After"] == "1"
+
+
+def test_inflight_limit_counts_unfinished_streams():
+    from deepinfer.gateway.stream import Phase
+
+    class S:
+        phase = Phase.DECODE
+
+    adm = Admission(AdmissionConfig(max_inflight=2))
+    a, b, c = S(), S(), S()
+    adm.enter([a, b])
+    with pytest.raises(Exception) as e:
+        adm.enter([c])
+    assert e.value.status == 429 and e.value.code == "max_inflight" and e.value.headers == {"Retry-After": "1"}
+    a.phase = Phase.FINISHED
+    adm.enter([c])
+    assert adm.inflight() == 2 and adm.rejected == {"max_inflight": 1}
+
+
+def test_429_in_each_apis_shape():
+    from deepinfer.gateway.anthropic_api import error_response
+
+    err = rate_limited("too slow", "ttft_slo", 0.2)
+    r = err.response()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    body = json.loads(r.body)
+    assert body["error"]["type"] == "rate_limit_exceeded" and body["error"]["code"] == "ttft_slo"
+    a = error_response(err)
+    assert a.status_code == 429 and a.headers["retry-after"] == "1"
+    assert json.loads(a.body) == {"type": "error", "error": {"type": "rate_limit_error", "message": "too slow"}}
+
+
+async def test_every_api_answers_429_with_retry_after_in_its_own_shape(redis_url):
+    import asyncio
+    import time
+
+    import httpx
+
+    from deepinfer.mesh import MeshClient
+    from gateway_harness import ConfiguredGateway
+    from test_gateway import FakeWorkers, start_nats_server
+
+    proc, url = start_nats_server()
+    mesh = await MeshClient.connect(url, name="fake-workers")
+    fakes = FakeWorkers(mesh)
+    await fakes.start()
+    try:
+        async with ConfiguredGateway(url, redis_url=redis_url, admission=AdmissionConfig(max_inflight=0)) as gw:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
+                deadline = time.monotonic() + 5
+                while (await c.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                msgs = [{"role": "user", "content": "hi"}]
+                for path, body in [("/v1/chat/completions", {"messages": msgs}),
+                                   ("/v1/chat/completions", {"messages": msgs, "stream": True}),
+                                   ("/v1/completions", {"prompt": "hi"}),
+                                   ("/v1/responses", {"input": "hi", "stream": True}),
+                                   ("/v1/messages", {"messages": msgs, "max_tokens": 8})]:
+                    r = await c.post(path, json={"model": gw.model, **body})
+                    assert r.status_code == 429 and r.headers["retry-after"] == "1", (path, r.text)
+                    err = r.json()
+                    if path == "/v1/messages":
+                        assert err["type"] == "error" and err["error"]["type"] == "rate_limit_error"
+                    else:
+                        assert err["error"]["type"] == "rate_limit_exceeded" and err["error"]["code"] == "max_inflight"
+        assert fakes.prefill_requests == []  # nothing was submitted
+    finally:
+        await fakes.stop()
+        await mesh.close()
+        proc.stop()
+
+
+# --- dispatch ------------------------------------------------------------------------------
+class FakeMesh:
+    """Answers ``request`` from a script keyed by subject; records every call and publish."""
+
+    def __init__(self, script: dict):
+        self.script = script
+        self.calls: list[str] = []
+        self.published: list[tuple[str, object]] = []
+
+    async def request(self, subject, msg, timeout, expect=None):
+        self.calls.append(subject)
+        out = self.script[subject]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    async def publish(self, subject, msg):
+        self.published.append((subject, msg))
+
+
+def _req() -> PrefillRequest:
+    return PrefillRequest("r", [1, 2, 3], SamplingParams(), "deepinfer.stream.r")
+
+
+async def test_submit_falls_back_from_the_chosen_workers_to_the_queue_group():
+    _, router, _ = setup(prefill("a"), prefill("b", queued_prefill_s=1), prefill("c", queued_prefill_s=2))
+    plan = router.plan("r", PromptShape(num_tokens=3))
+    router.commit(plan)
+    mesh = FakeMesh({subjects.prefill_submit("a"): NoResponders("gone"),
+                     subjects.prefill_submit("b"): SubmitReply(False, "b", "draining"),
+                     subjects.PREFILL_SUBMIT: SubmitReply(True, "c")})
+    reply = await submit_prefill(mesh, _req(), plan, timeout_s=5)
+    assert reply.accepted and reply.worker_id == "c"
+    assert mesh.calls == [subjects.prefill_submit("a"), subjects.prefill_submit("b"), subjects.PREFILL_SUBMIT]
+    assert router.sent_counts() == {"c": 1}
+
+
+async def test_a_chosen_worker_that_does_not_answer_is_aborted_before_the_next_is_tried():
+    _, router, _ = setup(prefill("a"), prefill("b", queued_prefill_s=1))
+    plan = router.plan("r", PromptShape(num_tokens=3))
+    mesh = FakeMesh({subjects.prefill_submit("a"): RequestTimeout("slow"),
+                     subjects.prefill_submit("b"): SubmitReply(True, "b")})
+    reply = await submit_prefill(mesh, _req(), plan, timeout_s=5)
+    assert reply.worker_id == "b"
+    assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r"))]
+
+
+async def test_a_bad_request_is_not_retried_and_no_plan_means_the_queue_group():
+    _, router, _ = setup(prefill("a"), prefill("b"))
+    plan = router.plan("r", PromptShape(num_tokens=3))
+    mesh = FakeMesh({subjects.prefill_submit("a"): RemoteError("prompt too long", "bad_request")})
+    with pytest.raises(RemoteError):
+        await submit_prefill(mesh, _req(), plan, timeout_s=5)
+    assert len(mesh.calls) == 1
+    plain = FakeMesh({subjects.PREFILL_SUBMIT: SubmitReply(True, "x")})
+    assert (await submit_prefill(plain, _req(), None, timeout_s=5)).worker_id == "x"
+    assert plain.calls == [subjects.PREFILL_SUBMIT]
+
+
+async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_group():
+    from types import SimpleNamespace
+
+    from deepinfer.prefill.service import PrefillService
+    from deepinfer.protocol import DecodeRequest
+
+    handoff = DecodeRequest("r", [1, 2], [3], SamplingParams(), "deepinfer.stream.r", [], 2, 16)
+    chosen = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r", decode_worker="d1")
+    ok = FakeMesh({subjects.decode_submit("d1"): SubmitReply(True, "d1")})
+    assert (await PrefillService.hand_off(SimpleNamespace(mesh=ok), chosen, handoff)).worker_id == "d1"
+    assert ok.calls == [subjects.decode_submit("d1")]
+    for failure in (SubmitReply(False, "d1", "draining"), NoResponders("gone"), RequestTimeout("slow")):
+        mesh = FakeMesh({subjects.decode_submit("d1"): failure, subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
+        assert (await PrefillService.hand_off(SimpleNamespace(mesh=mesh), chosen, handoff)).worker_id == "d2"
+        assert mesh.calls == [subjects.decode_submit("d1"), subjects.DECODE_SUBMIT]
+        timed_out = isinstance(failure, RequestTimeout)
+        assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r"))] if timed_out else [])
+    unchosen = FakeMesh({subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
+    no_choice = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r")
+    assert (await PrefillService.hand_off(SimpleNamespace(mesh=unchosen), no_choice, handoff)).worker_id == "d2"
+    assert unchosen.calls == [subjects.DECODE_SUBMIT]
+
+
+# --- acceptance on a mock mesh (issue #6): 4 mock prefill workers, one decode -----------------------
+MOCK_COST = "0.004,2e-4,1e-9,1e-7"  # a (s/step), b (s/token), d, e: ~5k prompt tokens/s per worker
+MOCK_ARGS = ["--engine", "mock", "--mock-cost", MOCK_COST, "--heartbeat-s", "0.5"]
+VOCAB_IDS = (1000, 30000)  # plain tokens of the SmolLM2 vocabulary
+
+
+def skewed_load(seed: int = 6, n: int = 64, seconds: float = 6.4, huge: int = 6) -> list[tuple[float, int]]:
+    """(arrival s, prompt tokens) of ``n`` requests over ``seconds``: ``huge`` prompts of 4-6k tokens
+    (about 1 s of prefill each), the rest 50-400 tokens; arrivals at uniform random times."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [rng.randint(4000, 6000) for _ in range(huge)] + [rng.randint(50, 400) for _ in range(n - huge)]
+    rng.shuffle(sizes)
+    times = sorted(rng.uniform(0, seconds) for _ in range(n))
+    return list(zip(times, sizes))
+
+
+async def replay(url: str, load: list[tuple[float, int]], salt: str, seed: int = 0, max_tokens: int = 2,
+                 timeout_s: float = 60.0) -> list[dict]:
+    """Send each request of ``load`` at its time (streaming /v1/completions with token ids, under
+    ``cache_salt`` ``salt``, so one run's stored prefixes never serve another's); per request:
+    status, TTFT (s, to the first token's SSE event), Retry-After, whether it completed."""
+    import asyncio
+    import random
+    import time
+
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [[rng.randint(*VOCAB_IDS) for _ in range(n)] for _, n in load]
+    results: list[dict] = [{} for _ in load]
+
+    async def one(i: int, client: httpx.AsyncClient, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + load[i][0] - time.monotonic()))
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompts[i], "max_tokens": max_tokens, "stream": True,
+                "temperature": 0, "cache_salt": salt}
+        start = time.monotonic()
+        out = results[i]
+        out.update(tokens=load[i][1], status=None, ttft=None, done=False)
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                out["status"] = r.status_code
+                if r.status_code != 200:
+                    out["retry_after"] = r.headers.get("retry-after")
+                    out["body"] = json.loads(await r.aread())
+                    return
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and out["ttft"] is None and '"choices"' in line:
+                        out["ttft"] = time.monotonic() - start
+                    if line == "data: [DONE]":
+                        out["done"] = True
+                    if '"error"' in line:
+                        out["error"] = line
+        except httpx.HTTPError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        await client.get("/health")
+        t0 = time.monotonic() + 0.2
+        await asyncio.gather(*(one(i, client, t0) for i in range(len(load))))
+    return results
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))]
+
+
+def wait_healthy(url: str, proc, timeout: float = 60) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.alive, proc.log_tail()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"{url} not healthy:\n{proc.log_tail()}")
+
+
+def wait_idle(mesh, seconds: float = 1.2) -> None:
+    """Let queues drain and the workers' reports catch up between runs."""
+    import time
+
+    time.sleep(seconds)
+
+
+@pytest.fixture(scope="module")
+def mock_mesh(tmp_path_factory):
+    from deepinfer.launcher import Mesh
+
+    m = Mesh(workdir=tmp_path_factory.mktemp("router-mesh"), replicas={"prefill": 4, "decode": 1},
+             extra_args={"prefill": MOCK_ARGS, "decode": MOCK_ARGS})
+    m.start(timeout=300)
+    yield m
+    m.stop()
+
+
+def start_gateway(mesh, *args: str) -> str:
+    from deepinfer.launcher import free_port
+
+    port = free_port()
+    proc = mesh.start_worker("gateway", ["--port", str(port), *args])
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return url
+
+
+@pytest.mark.acceptance
+@pytest.mark.timeout(300)
+def test_predicted_finish_beats_round_robin_and_least_loaded_on_p90_ttft(mock_mesh):
+    import asyncio
+
+    load = skewed_load()
+    figures = {}
+    for policy in ("round_robin", "least_loaded", "predicted"):
+        url = start_gateway(mock_mesh, "--prefill-router", policy)
+        wait_idle(mock_mesh)
+        res = asyncio.run(replay(url, load, salt=policy))
+        assert all(r["status"] == 200 and r["done"] for r in res), [r for r in res if not r.get("done")][:3]
+        ttft = [r["ttft"] for r in res]
+        small = [r["ttft"] for r in res if r["tokens"] < 1000]
+        figures[policy] = {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+                           "small_p90": percentile(small, 90)}
+    print("\nTTFT seconds by prefill policy (4 mock prefill workers, 64 requests, 6 of 4-6k tokens):")
+    for policy, f in figures.items():
+        print(f"  {policy:13s} " + "  ".join(f"{k} {v:.3f}" for k, v in f.items()))
+    assert figures["predicted"]["p90"] < figures["round_robin"]["p90"]
+    assert figures["predicted"]["p90"] < figures["least_loaded"]["p90"]
+
+
+@pytest.mark.acceptance
+@pytest.mark.timeout(300)
+def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_slo(mock_mesh):
+    import asyncio
+    import random
+
+    slo = 2.5
+    rng = random.Random(11)
+    # 16 requests/s for 4 s of 4-6k-token prompts (~1 s of prefill each): 4x what 4 workers do
+    load = sorted((rng.uniform(0, 4.0), rng.randint(4000, 6000)) for _ in range(64))
+    url = start_gateway(mock_mesh, "--ttft-slo-s", str(slo))
+    wait_idle(mock_mesh)
+    res = asyncio.run(replay(url, load, salt="overload", max_tokens=4))
+    ok = [r for r in res if r["status"] == 200]
+    limited = [r for r in res if r["status"] == 429]
+    ttft = [r["ttft"] for r in ok]
+    print(f"\noverload: {len(res)} requests in 4 s, SLO {slo} s: {len(ok)} admitted, {len(limited)} got 429; "
+          f"admitted TTFT p50 {percentile(ttft, 50):.3f} p90 {percentile(ttft, 90):.3f} "
+          f"p99 {percentile(ttft, 99):.3f} max {max(ttft):.3f} s; Retry-After "
+          f"{sorted({r['retry_after'] for r in limited})}")
+    assert len(ok) + len(limited) == len(res), [r for r in res if r["status"] not in (200, 429)][:3]
+    assert all(r["done"] and "error" not in r for r in ok)  # every admitted request completed
+    assert len(limited) >= len(res) // 3 and len(ok) >= 12
+    for r in limited:
+        assert int(r["retry_after"]) >= 1
+        assert r["body"]["error"]["type"] == "rate_limit_exceeded" and r["body"]["error"]["code"] == "ttft_slo"
+    assert percentile(ttft, 99) <= slo * 1.25
