@@ -9,6 +9,7 @@ nothing: the salt is mixed into every block hash).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import httpx
@@ -31,6 +32,11 @@ TEXT = ("A lighthouse keeper logs the weather every hour: wind from the north-we
 def tier(tmp_path_factory):
     m = Mesh(workdir=tmp_path_factory.mktemp("mesh-tier"), replicas={"prefill": 2})
     m.start(timeout=MESH_START_TIMEOUT)
+    # healthy needs one prefill worker; the tests address both by id
+    for _ in range(MESH_START_TIMEOUT * 4):
+        if httpx.get(m.gateway_url + "/health").json()["workers"].get("prefill") == 2:
+            break
+        time.sleep(0.25)
     yield m
     m.stop()
 
