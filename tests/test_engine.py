@@ -284,3 +284,35 @@ def test_blocks_loaded_from_another_engine_are_prefix_hits(model_dir, prompts):
     hit = (len(shared) - 5) // 16 * 16
     assert b.block_manager.num_hit_tokens == hit
     assert b.num_computed_tokens_total - before == len(other) - hit + len(out_b) - 1
+
+
+def test_bad_token_ids_are_refused_and_a_failed_step_leaks_no_blocks(model_dir, prompts, monkeypatch):
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=16 << 20, async_scheduling=False))
+    for bad in ([-5, 100], [1, engine.model_config.vocab_size]):
+        with pytest.raises(RequestError, match="token ids"):
+            engine.add_request("bad", bad, GREEDY)
+    engine.add_request("a", prompts[0], GREEDY)
+
+    def boom(inputs):
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(engine.runner, "execute", boom)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert engine.abort("a") and engine.block_manager.num_used_blocks == 0
+
+
+def test_batch_invariant_linear_rows_match_for_any_batch_size():
+    """Packed GEMM in batch-invariant mode: a row's bits are the same alone and among 1-300 rows
+    (plain linear differs for M = 129-192 on some shapes, so the mode never leaves the packed path)."""
+    from deepinfer.models.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(1536, 576, bias=False)
+    if not layer.pack():
+        pytest.skip("no MKL")
+    layer.batch_invariant = True
+    x = torch.randn(300, 1536)
+    alone = layer(x[:1])
+    for m in (2, 15, 16, 100, 128, 129, 150, 192, 193, 300):
+        assert torch.equal(layer(x[:m])[:1], alone), m

@@ -195,6 +195,9 @@ class LLMEngine:
         tokens = list(prompt_token_ids) + list(output_token_ids)
         if not prompt_token_ids:
             raise RequestError("empty prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})")
         if len(tokens) >= self.max_model_len:
             raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
@@ -282,7 +285,14 @@ class LLMEngine:
         if self._inflight is not None:  # coming from step_async: collect that step first
             return self._collect(None)
         step = self._launch(can_preempt=True)
-        return self._finish(step, self._execute(step)) if step else []
+        if step is None:
+            return []
+        try:
+            result = self._execute(step)
+        except BaseException:
+            self._drop(step)  # so aborting its sequences frees their blocks
+            raise
+        return self._finish(step, result)
 
     def step_async(self) -> list[StepOutput]:
         """One iteration of the overlapped loop (async scheduling, vLLM v1).

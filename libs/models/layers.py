@@ -29,11 +29,11 @@ class Linear(nn.Linear):
     prefill-sized M, so rows above ``PACKED_MAX_ROWS`` use ``F.linear``. The
     packed layout does not depend on M. Costs one extra copy of the weight.
 
-    Batch invariance: packed GEMM gives each row the same bits for any M, and
-    ``F.linear`` gives those same bits for M >= 16 (measured on this CPU up to
-    M = 512), but other bits for M < 16. So in batch-invariant mode (set per
-    module by the engine) an unpacked layer pads to 16 rows: a row's result
-    then never depends on how many other rows share the step.
+    Batch invariance: packed GEMM gives each row the same bits for any M;
+    ``F.linear`` gives other bits for M < 16 and, for some shapes, for
+    M = 129-192 too. So in batch-invariant mode (set per module by the engine)
+    a packed layer always runs packed, and an unpacked one pads to 16 rows: a
+    row's result then never depends on how many other rows share the step.
     """
 
     PACKED_MAX_ROWS = 128
@@ -55,7 +55,9 @@ class Linear(nn.Linear):
         m = x.shape[0]
         if self.batch_invariant and self.packed is None and m < self.INVARIANT_MIN_ROWS:
             return self.forward(F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m)))[:m]
-        if self.packed is None or m > self.PACKED_MAX_ROWS:
+        # NOTE: above PACKED_MAX_ROWS plain linear is faster but, for some shapes (M = 129-192
+        # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
+        if self.packed is None or (m > self.PACKED_MAX_ROWS and not self.batch_invariant):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, self.bias, m)
 
