@@ -4,12 +4,17 @@ The fakes speak the real protocol: a tokenizer that renders a ChatML prompt
 and encodes it with the default model's real tokenizer, a prefill worker that
 answers SubmitReply and publishes the first token, a decode worker that
 publishes the rest, LoadReport heartbeats every 0.2 s, and a recorder of every
-AbortRequest. ``Script`` says what the workers do for the next request.
+AbortRequest. The fake prefill also answers a re-dispatch (the same request id
+submitted again after its worker died) and the fake decode worker ``DECODE_ID``
+takes resumes (a ``DecodeRequest`` from the gateway) and continues the script's
+tokens from the ones already given. ``Script`` says what the workers do for
+the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -31,6 +36,7 @@ from tokenizers import Tokenizer
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
 from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.kvstore import block_hashes
 from deepinfer.mesh import MeshClient
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import (
@@ -38,6 +44,7 @@ from deepinfer.protocol import (
     EncodeChatReply,
     EncodeChatRequest,
     ErrorReply,
+    DecodeRequest,
     LoadReport,
     PrefillRequest,
     SubmitReply,
@@ -53,6 +60,7 @@ MAX_MODEL_LEN = 256
 EOS = 2  # <|im_end|>
 TOKENIZER = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
 PREFILL_ID, DECODE_ID, TOKENIZER_ID = "prefill-fake", "decode-fake", "tokenizer-fake"
+FINGERPRINT, BLOCK_SIZE = "fakefingerprint0", 16  # in the fakes' LoadReports: resumes name stored blocks
 HEARTBEAT_S = 0.2
 
 
@@ -86,6 +94,9 @@ class Script:
     stall_after: int | None = None  # decode: after N chunks stop publishing, keep heartbeating
     error_after: int | None = None  # decode: chunk N is finish_reason "error"
     first_error: str | None = None  # prefill: the first chunk is finish_reason "error"
+    redispatch_ok: bool = False  # prefill: a second submit of a request is served normally (else refused)
+    zombie_s: float | None = None  # decode with die_after: stops beating, yet publishes the rest after this
+    decode_refuses: bool = False  # decode: refuse resumes from the gateway
 
     @property
     def token_ids(self) -> list[int]:
@@ -97,15 +108,20 @@ class FakeWorkers:
     mesh: MeshClient
     script: Script = field(default_factory=Script)
     prefill_requests: list[PrefillRequest] = field(default_factory=list)
+    decode_requests: list[DecodeRequest] = field(default_factory=list)  # resumes from the gateway
     tokenizer_requests: list[EncodeChatRequest] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (subject, request_id)
     trace_ids: list[tuple[str, int]] = field(default_factory=list)  # (handler, trace_id)
     beating: dict[str, str] = field(default_factory=dict)  # worker_id -> role
+    zombies: list[asyncio.Task] = field(default_factory=list)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
     async def start(self) -> None:
         await self.mesh.subscribe(subjects.TOKENIZER_ENCODE_CHAT, self.on_encode, queue=subjects.TOKENIZER_GROUP)
         await self.mesh.subscribe(subjects.PREFILL_SUBMIT, self.on_submit, queue=subjects.PREFILL_GROUP)
+        await self.mesh.subscribe(subjects.prefill_submit(PREFILL_ID), self.on_submit)
+        await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_decode_submit, queue=subjects.DECODE_GROUP)
+        await self.mesh.subscribe(subjects.decode_submit(DECODE_ID), self.on_decode_submit)
         await self.mesh.nc.subscribe(f"{subjects.PREFIX}.*.*.abort", cb=self.on_abort)
         self.beating.update({TOKENIZER_ID: "tokenizer", PREFILL_ID: "prefill", DECODE_ID: "decode"})
         self.tasks["heartbeat"] = asyncio.create_task(self.heartbeat())
@@ -118,7 +134,8 @@ class FakeWorkers:
     async def heartbeat(self) -> None:
         while True:
             for worker_id, role in list(self.beating.items()):
-                report = LoadReport(role=role, worker_id=worker_id, interval_s=HEARTBEAT_S)
+                report = LoadReport(role=role, worker_id=worker_id, interval_s=HEARTBEAT_S,
+                                    fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
                 await self.mesh.publish(subjects.load(role, worker_id), report)
             await asyncio.sleep(HEARTBEAT_S)
 
@@ -134,9 +151,33 @@ class FakeWorkers:
 
     async def on_submit(self, req: PrefillRequest):
         self._record_trace("prefill")
+        again = any(r.request_id == req.request_id for r in self.prefill_requests)
         self.prefill_requests.append(req)
-        self.tasks[req.request_id] = asyncio.create_task(self.generate(req, self.script))
-        return SubmitReply(accepted=True, worker_id=self.script.prefill_worker)
+        s = self.script
+        if again:  # a re-dispatch after the first prefill worker died
+            if not s.redispatch_ok:
+                return SubmitReply(accepted=False, worker_id=PREFILL_ID, error="busy")
+            s = dataclasses.replace(s, prefill_worker=PREFILL_ID, prefill_silent=False)
+        self.tasks[req.request_id] = asyncio.create_task(self.generate(req, s))
+        return SubmitReply(accepted=True, worker_id=s.prefill_worker)
+
+    async def on_decode_submit(self, req: DecodeRequest):
+        self.decode_requests.append(req)
+        if self.script.decode_refuses:
+            return SubmitReply(accepted=False, worker_id=DECODE_ID, error="no room")
+        self.tasks[req.request_id] = asyncio.create_task(self.resume(req, self.script))
+        return SubmitReply(accepted=True, worker_id=DECODE_ID)
+
+    async def resume(self, req: DecodeRequest, s: Script) -> None:
+        """Continue the script's tokens after the ones the gateway already has, as ``DECODE_ID``."""
+        ids, done = s.token_ids, len(req.output_token_ids)
+        assert req.output_token_ids == ids[:done]
+        await self.mesh.publish(req.stream_subject, TokenChunk(req.request_id, [], "decode", DECODE_ID))
+        for i in range(done, len(ids)):
+            await asyncio.sleep(s.delay_s)
+            finish = ("stop" if s.eos else "length") if i == len(ids) - 1 else None
+            await self.mesh.publish(req.stream_subject, TokenChunk(req.request_id, ids[i : i + 1], "decode",
+                                                                   DECODE_ID, finish))
 
     async def on_abort(self, raw) -> None:
         from deepinfer.protocol import unpack
@@ -146,6 +187,11 @@ class FakeWorkers:
         task = self.tasks.pop(msg.request_id, None)
         if task:
             task.cancel()
+
+    async def publish_late(self, req: PrefillRequest, s: Script, late: list, chunk) -> None:
+        await asyncio.sleep(s.zombie_s)
+        for part, finish in late:
+            await self.mesh.publish(req.stream_subject, chunk(part, "decode", s.decode_worker, finish))
 
     async def generate(self, req: PrefillRequest, s: Script) -> None:
         ids = s.token_ids
@@ -169,6 +215,9 @@ class FakeWorkers:
         for n, part in enumerate(rest):
             if s.die_after is not None and n >= s.die_after:
                 self.beating.pop(s.decode_worker, None)
+                if s.zombie_s is not None:  # only slow: the rest comes late (not cancellable by an abort)
+                    late = [(p, final_reason if k == len(rest) - 1 else None) for k, p in enumerate(rest)][n:]
+                    self.zombies.append(asyncio.create_task(self.publish_late(req, s, late, chunk)))
                 return
             if s.stall_after is not None and n >= s.stall_after:
                 return
@@ -543,34 +592,90 @@ async def test_return_token_ids_like_vllm(client, gateway, script):
 # --- failures: dead workers, timeouts, worker errors -------------------------------------
 
 
-async def test_decode_worker_dying_mid_stream_ends_the_stream_with_an_error(client, gateway, script):
-    script(text="one two three four five six seven eight", decode_worker="decode-doomed-1", die_after=3,
-           delay_s=0.02)
+TEXT8 = "one two three four five six seven eight"
+
+
+async def test_decode_worker_dying_mid_stream_is_resumed_on_another_decode_worker(client, gateway, workers, script):
+    s = script(text=TEXT8, decode_worker="decode-doomed-0", die_after=3, delay_s=0.02)
+    workers.decode_requests.clear()
+    t0 = time.monotonic()
+    events = await stream_events(client, chat_body(gateway.model, "Say hello, please. " * 8))  # 3 full blocks
+    assert events[-1] == "[DONE]" and streamed_text(events) == TEXT8  # every token once, in order
+    assert time.monotonic() - t0 < 6
+    (resume,) = workers.decode_requests
+    prefill = workers.prefill_requests[-1]
+    assert resume.request_id == prefill.request_id and resume.stream_subject == prefill.stream_subject
+    assert resume.prompt_token_ids == prefill.prompt_token_ids and resume.sampling == prefill.sampling
+    assert resume.output_token_ids == s.token_ids[:4]  # the first token + 3 decode chunks
+    # the prompt's full blocks, named as the workers' LoadReports say (fingerprint, block size)
+    assert resume.kv_block_keys == block_hashes(prefill.prompt_token_ids, BLOCK_SIZE, FINGERPRINT)
+    assert resume.num_kv_tokens == len(resume.kv_block_keys) * BLOCK_SIZE > 0
+    await eventually(lambda: (subjects.abort("decode", "decode-doomed-0"), prefill.request_id) in workers.aborts)
+
+
+async def test_a_decode_worker_that_was_only_slow_never_streams_duplicates(client, gateway, workers, script):
+    # silent (no heartbeat, no chunk) for 4 s: declared dead after 3; its late chunks come while the
+    # resumed worker (2 s for the rest) is still streaming
+    text = " ".join(f"w{i}" for i in range(40))
+    script(text=text, decode_worker="decode-slow-0", die_after=2, zombie_s=4.0, delay_s=0.05)
+    workers.decode_requests.clear()
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == text
+    assert len(workers.decode_requests) == 1
+    zombie = workers.zombies[-1]
+    assert zombie.done()  # it did publish the rest, late, before the end: the gateway dropped it
+    rid = workers.prefill_requests[-1].request_id
+    assert (subjects.abort("decode", "decode-slow-0"), rid) in workers.aborts
+
+
+async def test_decode_worker_dying_with_no_decode_worker_to_take_over_ends_with_an_error_event(client, gateway,
+                                                                                                script):
+    script(text=TEXT8, decode_worker="decode-doomed-1", die_after=3, delay_s=0.02, decode_refuses=True)
     t0 = time.monotonic()
     events = await stream_events(client, chat_body(gateway.model))
     elapsed = time.monotonic() - t0
     assert "error" in events[-1] and "[DONE]" not in events
-    assert "decode-doomed-1" in events[-1]["error"]["message"]
+    message = events[-1]["error"]["message"]
+    assert "decode-doomed-1" in message and "resuming on another decode worker failed" in message
+    assert "no room" in message  # the fake decode worker's refusal
     assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
     assert streamed_text(events)  # some text came before the failure
     assert elapsed < 6, elapsed
 
 
-async def test_prefill_worker_dead_before_first_token_is_503(client, gateway, script):
+async def test_prefill_worker_dead_before_first_token_is_redispatched(client, gateway, workers, script):
+    script(text=TEXT8, prefill_worker="prefill-doomed-0", prefill_silent=True, redispatch_ok=True)
+    t0 = time.monotonic()
+    events = await stream_events(client, chat_body(gateway.model))
+    assert events[-1] == "[DONE]" and streamed_text(events) == TEXT8
+    assert time.monotonic() - t0 < 6
+    first, again = workers.prefill_requests[-2:]
+    assert again.request_id == first.request_id and again.stream_subject == first.stream_subject
+    assert again.prompt_token_ids == first.prompt_token_ids and again.sampling == first.sampling
+    await eventually(lambda: (subjects.abort("prefill", "prefill-doomed-0"), first.request_id) in workers.aborts)
+
+
+async def test_prefill_worker_dead_before_first_token_and_no_other_takes_it_is_503(client, gateway, script):
     script(prefill_worker="prefill-doomed-1", prefill_silent=True)
     t0 = time.monotonic()
     r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, stream=True))
     err = assert_openai_error(r, 503)
-    assert "prefill-doomed-1" in err["message"]
+    assert "prefill-doomed-1" in err["message"] and "re-dispatching" in err["message"]
     assert time.monotonic() - t0 < 6
 
 
-async def test_handoff_that_produces_nothing_fails_and_aborts_prefill(client, gateway, workers, script):
+async def test_handoff_that_produces_nothing_aborts_prefill_and_resumes_on_decode(client, gateway, workers, script):
     script(text="first then nothing", no_handoff=True)
+    workers.decode_requests.clear()
+    events = await stream_events(client, chat_body(gateway.model))
+    assert events[-1] == "[DONE]" and streamed_text(events) == "first then nothing"
+    rid = workers.prefill_requests[-1].request_id
+    assert [d.request_id for d in workers.decode_requests] == [rid]
+    await eventually(lambda: (subjects.abort("prefill", PREFILL_ID), rid) in workers.aborts)
+
+    script(text="first then nothing", no_handoff=True, decode_refuses=True)
     events = await stream_events(client, chat_body(gateway.model))
     assert "handoff" in events[-1]["error"]["message"]
-    rid = workers.prefill_requests[-1].request_id
-    await eventually(lambda: (subjects.abort("prefill", PREFILL_ID), rid) in workers.aborts)
 
 
 async def test_live_but_silent_decode_worker_hits_the_inactivity_timeout(client, gateway, workers, script):

@@ -2,8 +2,14 @@
 
 A service subclass sets ``role``, subscribes its handlers in ``setup()`` and
 describes its load in ``load_report()``. ``run_service`` runs it until SIGINT
-or SIGTERM, then drains (stops taking new messages, lets in-flight handlers
-finish, flushes) and stops.
+or SIGTERM, then drains and stops. Draining, in order: ``draining`` is set (a
+handler refuses new work with "draining", which senders take as "try another
+worker") and announced at once in a heartbeat (routers skip the worker); the
+``intake`` subscriptions (the queue groups that bring new work) are drained,
+so the NATS server sends new work to other replicas and what was already
+delivered is answered; ``finish_inflight()`` lets in-flight work end
+(bounded); heartbeats stop; the connection is drained (pending handlers
+finish, flushed) and closed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Service:
         self.heartbeat_s = heartbeat_s
         self.mesh: MeshClient | None = None
         self.draining = False
+        self.intake: list = []  # subscriptions that bring new work: drained first when stopping
         self._stopped = asyncio.Event()
         self._heartbeat_task: asyncio.Task | None = None
 
@@ -54,18 +61,34 @@ class Service:
 
     async def _heartbeat(self) -> None:
         while True:
-            try:
-                report = self.load_report()
-                report.interval_s = self.heartbeat_s
-                report.draining = self.draining
-                await self.mesh.publish(subjects.load(self.role, self.worker_id), report)
-            except Exception as e:  # NATS down: keep trying, the client reconnects
-                log.warning("heartbeat_failed", error=str(e))
+            await self._publish_load()
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _publish_load(self) -> None:
+        try:
+            report = self.load_report()
+            report.interval_s = self.heartbeat_s
+            report.draining = self.draining
+            await self.mesh.publish(subjects.load(self.role, self.worker_id), report)
+        except Exception as e:  # NATS down: keep trying, the client reconnects
+            log.warning("heartbeat_failed", error=str(e))
+
+    async def stop_intake(self) -> None:
+        """Drain the ``intake`` subscriptions: no new messages, the delivered ones are handled."""
+        for sub in self.intake:
+            try:
+                await sub.drain()
+            except Exception as e:  # connection closed or draining already
+                log.warning("intake_drain_failed", error=str(e))
+        self.intake.clear()
 
     async def drain(self) -> None:
         """Refuse new work, finish in-flight work, then drain the NATS connection."""
         self.draining = True
+        log.info("service_draining", role=self.role)
+        if self.mesh and self._heartbeat_task:  # routers learn it now, not at the next beat
+            await self._publish_load()
+        await self.stop_intake()
         await self.finish_inflight()
         if self._heartbeat_task:
             self._heartbeat_task.cancel()

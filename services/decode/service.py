@@ -2,20 +2,30 @@
 
 Lifecycle of a request in this service:
   1. ``deepinfer.decode.submit`` (queue group ``decode``) or
-     ``deepinfer.decode.<worker_id>.submit``: a ``DecodeRequest`` arrives from
-     prefill with the storage-tier keys of the prompt's KV blocks.
-  2. The blocks are read from the storage tier on an I/O thread (the
-     ephemeral partial block is deleted once read). If any block is missing or
-     corrupt the request is recomputed here from its tokens instead (a miss,
+     ``deepinfer.decode.<worker_id>.submit``: a ``DecodeRequest`` arrives, from
+     prefill (a handoff) or from the gateway (a resume after a decode worker
+     died: the prompt, the tokens already streamed and the prompt's full-block
+     keys), with the storage-tier keys of its KV blocks. A request id already
+     running here is refused (a second copy would stream duplicates).
+  2. The blocks are read from the storage tier on an I/O thread, in order, up
+     to the first missing or corrupt one (the ephemeral partial block is deleted
+     once read). When they cover every token but the last, they are imported as
+     is. Otherwise the request is recomputed here from its tokens, but only what
+     is missing: the leading full blocks read (keyed by their prefix hash) go
+     into the engine's prefix cache first, so the recompute hits them (a miss,
      never an error).
-  3. The engine copies the blocks into its paged KV cache at the next step
+  3. The engine copies imported blocks into its paged KV cache at the next step
      boundary; the request joins ``running`` and an empty ``TokenChunk``
      announces this worker on the stream (so the gateway watches it).
   4. Every step appends one token per running request; each step's tokens are
      published on the request's stream subject, the last chunk with its
      finish reason; the request's blocks are freed.
 An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` (client gone,
-stop string matched) removes the request and frees its KV blocks.
+stop string matched, the gateway moved the request elsewhere) removes the
+request and frees its KV blocks.
+Draining (SIGTERM): the queue-group subscription is drained first, so new work
+goes to other workers; a submit on this worker's own subject is refused with
+"draining" (the sender tries another worker); running requests finish.
 """
 
 from __future__ import annotations
@@ -32,30 +42,44 @@ from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
+
+def is_ephemeral(key: str) -> bool:
+    return key.startswith("eph-")  # ``kvstore.ephemeral_key``
+
+
 class DecodeService(EngineWorker):
     role = "decode"
 
     async def setup(self) -> None:
         self.start_engine()
-        for subject, queue in ((subjects.DECODE_SUBMIT, subjects.DECODE_GROUP),
-                               (subjects.decode_submit(self.worker_id), "")):
-            await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="decode.submit")
+        self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
+                                                     queue=subjects.DECODE_GROUP, span_name="decode.submit"))
+        await self.mesh.subscribe(subjects.decode_submit(self.worker_id), self.on_submit, span_name="decode.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="decode.abort")
 
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: DecodeRequest) -> SubmitReply:
         if self.draining:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
-        if req.block_size != self.engine.config.block_size:
+        if req.request_id in self.requests:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
+        if req.kv_block_keys and req.block_size != self.engine.config.block_size:
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
-        kv = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
         self.requests[req.request_id] = req
+        kv = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
+        if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        whole = (kv is not None and len(kv) == len(req.kv_block_keys) and req.num_kv_tokens == num_tokens - 1
+                 and len(kv) * self.engine.config.block_size >= req.num_kv_tokens)
         try:
+            if not whole and kv is not None:
+                await self.load_prefix(req, kv, num_tokens)
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                output_token_ids=req.output_token_ids, kv_blocks=kv,
-                num_kv_tokens=req.num_kv_tokens if kv is not None else 0, cache_salt=req.cache_salt,
+                output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
+                num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
@@ -84,20 +108,35 @@ class DecodeService(EngineWorker):
 
     # --- helpers ---------------------------------------------------------------
     def load_blocks(self, req: DecodeRequest) -> torch.Tensor | None:
-        """Read the request's blocks; None (recompute) if any is missing or corrupt."""
-        blocks = []
+        """Read the request's blocks in order up to the first missing or corrupt one
+        (None if that is the first); ephemeral blocks are deleted either way."""
+        blocks, missed = [], False
         for key in req.kv_block_keys:
-            is_eph = key.startswith("eph-")
-            block = self.store.get(key, EPHEMERAL if is_eph else req.traffic_class)
-            if is_eph:
+            eph = is_ephemeral(key)
+            if not missed:
+                block = self.store.get(key, EPHEMERAL if eph else req.traffic_class)
+                if block is None:
+                    log.warning("kv_block_miss", request_id=req.request_id, key=key)
+                    missed = True
+                else:
+                    blocks.append(block)
+            if eph:
                 self.store.delete(key, EPHEMERAL)
-            if block is None:
-                log.warning("kv_block_miss", request_id=req.request_id, key=key)
-            blocks.append(block)
-        if not blocks or any(b is None for b in blocks):
-            return None
-        return torch.stack(blocks)
+        return torch.stack(blocks) if blocks else None
 
+    async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int) -> int:
+        """Put the leading full blocks of ``kv`` (keyed by their prefix hash) into the engine's
+        prefix cache, so recomputing the request computes only what they do not cover.
+        At least one token is left to compute. Returns the number of blocks inserted."""
+        bs = self.engine.config.block_size
+        n = 0
+        while n < min(len(kv), (num_tokens - 1) // bs) and not is_ephemeral(req.kv_block_keys[n]):
+            n += 1
+        if not n:
+            return 0
+        got = await self.async_engine.call(self.engine.load_prefix, req.kv_block_keys[:n], kv[:n])
+        log.info("kv_prefix_loaded", request_id=req.request_id, blocks=got, tokens=num_tokens)
+        return got
 
 
 def main(argv: list[str] | None = None) -> None:

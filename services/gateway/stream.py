@@ -13,16 +13,38 @@
   HANDOFF    -- first token in; prefill is handing the request to a decode
                 worker. Still watching the prefill worker. First chunk with
                 role "decode" -> DECODE (now watching its worker_id).
-                Nothing for ``handoff_s`` -> error.
+                Nothing for ``handoff_s`` -> failover (below).
   DECODE     -- watching the decode worker. Final chunk -> FINISHED.
   FINISHED   -- a final chunk arrived, the gateway aborted (stop string,
                 client gone) or the request failed.
 
 Every ``tick_s`` (whether or not chunks flow) the watched worker is checked in
-the registry: a worker that missed its heartbeats (a chunk from it counts as
-one), no chunk at all for ``inactivity_s``, or a handoff that produced nothing
-for ``handoff_s`` raises ``StreamError``; a client that left raises
-``ClientGone`` after aborting the worker. No request can wait forever.
+the registry. A worker that missed its heartbeats (a chunk from it counts as
+one), a handoff that produced nothing for ``handoff_s``, or a prefill worker
+that reports it could not hand off, triggers a failover (``_failover``):
+
+  * the worker is *abandoned*: sent an ``AbortRequest`` (in case it was only
+    slow) and every later chunk from it is dropped, so it can never stream
+    duplicates;
+  * PREFILL (no token yet): a fresh ``PrefillRequest`` (same request id and
+    stream subject) goes to another live prefill worker, the least loaded;
+  * HANDOFF / DECODE (tokens out): a ``DecodeRequest`` goes to another live
+    decode worker, the least loaded: the prompt, every token received so far
+    (``output_token_ids``: what the client was given) and the keys of the
+    prompt's full KV blocks in the storage tier (``block_hashes`` with the
+    worker's fingerprint and block size from its ``LoadReport``); decode loads
+    what is there and recomputes the rest. That worker is *pinned*: decode
+    chunks from any other worker (a handoff that raced the resume) are dropped
+    and that worker aborted. A seeded sampler replays its draws for the given
+    tokens (``LLMEngine.add_request``), so greedy and seeded outputs continue
+    exactly.
+
+At most ``max_failovers`` submits per request (a refused or unanswered one
+counts); then, or when no worker of the role is left, ``StreamError`` (HTTP
+503 before the first byte, an SSE error event after). No chunk at all for
+``inactivity_s`` raises ``StreamError`` (a live but stuck worker); a client
+that left raises ``ClientGone`` after aborting the worker. No request can wait
+forever.
 """
 
 from __future__ import annotations
@@ -36,12 +58,15 @@ from typing import Awaitable, Callable
 from deepinfer.gateway.dispatch import submit_prefill
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.router import Plan
-from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
+from deepinfer.kvstore.hashing import block_hashes
+from deepinfer.mesh import MeshClient, MeshError, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (
     AbortRequest,
+    DecodeRequest,
     PrefillRequest,
     ProtocolError,
     SamplingParams,
+    SubmitReply,
     TokenChunk,
     subjects,
     unpack,
@@ -91,6 +116,7 @@ class StreamTimeouts:
     inactivity_s: float = 60.0
     handoff_s: float = 15.0
     tick_s: float = 0.25
+    max_failovers: int = 2  # submits to another worker after a worker failed, per request
 
 
 class RequestStream:
@@ -121,11 +147,19 @@ class RequestStream:
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
         self._chasing = False
+        # failover (set by ``open``): what a re-dispatch or a resume is built from
+        self.prompt_token_ids: list[int] = []
+        self.sampling: SamplingParams | None = None
+        self.output_token_ids: list[int] = []  # tokens received so far (what the client was given)
+        self.failovers = 0  # submits made after a failure
+        self._abandoned: set[str] = set()  # workers the request was moved away from: chunks dropped
+        self._pinned_decode = ""  # decode worker the gateway resumed on: other decode chunks dropped
 
     # --- the gateway's decisions ---------------------------------------------
     async def open(self, prompt_token_ids: list[int], sampling: SamplingParams, plan: Plan | None = None) -> None:
         """Subscribe to the stream, then submit the prefill (to ``plan``'s workers first, then
         the queue group; ``plan.decode_worker`` goes along for the handoff). Raises StreamError."""
+        self.prompt_token_ids, self.sampling = list(prompt_token_ids), sampling  # for a failover
         subject = subjects.stream(self.request_id)
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
         req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt,
@@ -172,6 +206,8 @@ class RequestStream:
                     chunk = await asyncio.wait_for(self._queue.get(), max(self._next_check_at - now, 0.001))
                 except asyncio.TimeoutError:
                     continue
+            if not await self._accept(chunk):
+                continue
             self._advance(chunk)
             return chunk
 
@@ -213,9 +249,26 @@ class RequestStream:
         if chunk.request_id == self.request_id:
             self._queue.put_nowait(chunk)
 
+    async def _accept(self, chunk: TokenChunk) -> bool:
+        """Whether ``chunk`` belongs to the stream (failover: see the module docstring)."""
+        if chunk.worker_id in self._abandoned:
+            return False
+        if self._pinned_decode and chunk.role == "decode" and chunk.worker_id != self._pinned_decode:
+            self._abandoned.add(chunk.worker_id)  # a second copy: the handoff raced our resume
+            if chunk.finish_reason is None:
+                await self._publish_abort("decode", chunk.worker_id)
+            return False
+        if (chunk.finish_reason == "error" and chunk.role == "prefill" and self.phase is Phase.HANDOFF
+                and chunk.worker_id == self.worker_id):
+            # the first token is out but prefill could not hand off: resume on decode ourselves
+            await self._failover(f"prefill worker {chunk.worker_id} could not hand off: {chunk.error}")
+            return False
+        return True
+
     def _advance(self, chunk: TokenChunk) -> None:
         now = self.clock()
         self._last_chunk_at = now
+        self.output_token_ids += chunk.token_ids
         if chunk.role == "decode":
             if self.worker_role != "decode" or chunk.worker_id != self.worker_id:
                 self._watch("decode", chunk.worker_id, now)
@@ -236,20 +289,112 @@ class RequestStream:
         now = self.clock()
         # A chunk from the watched worker is as good as a heartbeat (its reports may lag behind a busy step).
         if not self.registry.is_alive(self.worker_id, since=max(self._watch_since, self._last_chunk_at)):
-            await self._fail()
-            raise StreamError(f"{self.worker_role} worker {self.worker_id} stopped responding (missed heartbeats)")
-        if self.phase is Phase.HANDOFF and now - self._handoff_since > self.timeouts.handoff_s:
-            await self._fail(abort=True)
-            raise StreamError(
-                f"handoff from prefill worker {self.worker_id} to a decode worker produced nothing "
-                f"within {self.timeouts.handoff_s:.0f}s"
-            )
+            await self._failover(f"{self.worker_role} worker {self.worker_id} stopped responding (missed heartbeats)")
+        elif self.phase is Phase.HANDOFF and now - self._handoff_since > self.timeouts.handoff_s:
+            await self._failover(f"handoff from prefill worker {self.worker_id} to a decode worker produced "
+                                 f"nothing within {self.timeouts.handoff_s:.0f}s")
+        now = self.clock()
         if now - self._last_chunk_at > self.timeouts.inactivity_s:
             await self._fail(abort=True)
             raise StreamError(f"no output for {self.timeouts.inactivity_s:.0f}s", code="timeout")
         if is_disconnected is not None and await is_disconnected():
             await self.abort()
             raise ClientGone()
+
+    # --- failover ---------------------------------------------------------------
+    async def _failover(self, reason: str) -> None:
+        """Move the request off its worker (``reason``: why) to another one; raises StreamError
+        when no worker takes it within ``max_failovers`` submits."""
+        failed_role, failed = self.worker_role, self.worker_id
+        self._abandoned.add(failed)
+        await self._publish_abort(failed_role, failed)  # if it was only slow: drop it, free its KV
+        to_decode = self.phase in (Phase.HANDOFF, Phase.DECODE)  # a token is out: continue decoding it
+        what = "resuming on another decode worker" if to_decode else "re-dispatching to another prefill worker"
+        log.warning("worker_failed", request_id=self.request_id, role=failed_role, worker=failed, reason=reason,
+                    tokens=len(self.output_token_ids), action=what)
+        started, why = self.clock(), "no worker left to try"
+        while self.failovers < self.timeouts.max_failovers:
+            self.failovers += 1
+            role = "decode" if to_decode else "prefill"
+            target = self._pick(role)
+            try:
+                reply = await (self._resume_decode(target) if to_decode else self._redispatch_prefill(target))
+            except NoResponders:
+                why = f"no {role} worker is running"
+                if target is None:
+                    break
+                self._abandoned.add(target)  # gone: its subscription is
+                continue
+            except RequestTimeout:
+                why = f"{target or 'the ' + role + ' queue group'} did not answer in {self.timeouts.submit_s:.0f}s"
+                if target:
+                    self._abandoned.add(target)
+                    await self._publish_abort(role, target)
+                continue
+            except (MeshError, ProtocolError) as e:
+                why = f"{role} submit failed: {e}"
+                if target:
+                    self._abandoned.add(target)
+                continue
+            if not reply.accepted or reply.worker_id in self._abandoned:
+                why = f"{role} worker {reply.worker_id} refused: {reply.error or 'a worker this request left'}"
+                if reply.accepted:
+                    await self._publish_abort(role, reply.worker_id)
+                self._abandoned.add(reply.worker_id)
+                if target is None:
+                    break
+                continue
+            now = self.clock()
+            self._watch(role, reply.worker_id, now)
+            self._last_chunk_at = now
+            if to_decode:
+                self._pinned_decode = reply.worker_id
+                self.phase = Phase.DECODE
+            else:
+                self.phase = Phase.PREFILL
+            log.info("failover_done", request_id=self.request_id, role=role, worker=reply.worker_id,
+                     took_s=round(now - started, 3), failovers=self.failovers)
+            return
+        await self._fail()
+        raise StreamError(f"{reason}; {what} failed ({self.failovers} of {self.timeouts.max_failovers} "
+                          f"tries used): {why}")
+
+    def _pick(self, role: str) -> str | None:
+        """The least loaded live, non-draining worker of ``role`` this request has not left
+        (None: none known; the queue group is tried)."""
+        live = [i.report for i in self.registry.alive(role)
+                if not i.report.draining and i.report.worker_id not in self._abandoned]
+        if not live:
+            return None
+        if role == "prefill":
+            best = min(live, key=lambda r: (r.queued_prefill_s, r.waiting_requests + r.active_requests))
+        else:
+            best = min(live, key=lambda r: (r.kv_tokens_used / r.kv_tokens_capacity if r.kv_tokens_capacity else 0.0)
+                       + (r.active_requests + r.waiting_requests) / 64)
+        return best.worker_id
+
+    async def _redispatch_prefill(self, target: str | None) -> SubmitReply:
+        req = PrefillRequest(self.request_id, self.prompt_token_ids, self.sampling, subjects.stream(self.request_id),
+                             self.traffic_class, self.cache_salt)
+        subject = subjects.prefill_submit(target) if target else subjects.PREFILL_SUBMIT
+        return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
+
+    async def _resume_decode(self, target: str | None) -> SubmitReply:
+        """Submit the request to a decode worker: prompt, tokens so far, the prompt's stored blocks."""
+        info = next((i.report for i in self.registry.alive() if i.report.worker_id == target), None)
+        if info is None or not info.fingerprint:  # no target (queue group): any worker's parameters
+            info = next((i.report for i in self.registry.alive("decode") if i.report.fingerprint), info)
+        fingerprint, bs = (info.fingerprint, info.block_size) if info is not None else ("", 0)
+        keys = (block_hashes(self.prompt_token_ids, bs, fingerprint, (self.cache_salt or "").encode())
+                if fingerprint and bs > 0 else [])
+        req = DecodeRequest(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids), sampling=self.sampling,
+            stream_subject=subjects.stream(self.request_id), kv_block_keys=keys, num_kv_tokens=len(keys) * bs,
+            block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt,
+        )
+        subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
+        return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 
     async def _fail(self, abort: bool = False) -> None:
         # NOTE: a live-but-stuck worker still holds KV for this request; tell it to let go.

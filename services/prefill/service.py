@@ -25,7 +25,14 @@ Lifecycle of a request in this service:
      takes it, the request ends with an error chunk.
 An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` (or the broadcast
 ``deepinfer.prefill.abort``, sent when a submit's reply was lost) drops a request
-still queued or running here; an id aborted before its submit arrives is refused.
+still queued or running here; an id aborted before its submit arrives is refused,
+and one aborted after its first token (the gateway resumed it on a decode worker
+itself) is not handed off.
+Draining (SIGTERM): the queue-group subscription is drained first (new work goes to
+other workers), a submit on this worker's own subject is refused with "draining"
+(the gateway tries another worker), queued and running requests finish and are
+handed off (bounded by ``drain_timeout_s``; what is left then dies with the
+process, and the gateway re-dispatches it).
 """
 
 from __future__ import annotations
@@ -66,9 +73,10 @@ class PrefillService(EngineWorker):
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
         self.async_store = AsyncBlockStore(self.store, io_threads=2)
         self.num_loaded_blocks = 0  # blocks read from the storage tier into the engine
-        for subject, queue in ((subjects.PREFILL_SUBMIT, subjects.PREFILL_GROUP),
-                               (subjects.prefill_submit(self.worker_id), "")):
-            await self.mesh.subscribe(subject, self.on_submit, queue=queue, span_name="prefill.submit")
+        # the queue group is this worker's intake: drained first on SIGTERM, so new work goes elsewhere
+        self.intake.append(await self.mesh.subscribe(subjects.PREFILL_SUBMIT, self.on_submit,
+                                                     queue=subjects.PREFILL_GROUP, span_name="prefill.submit"))
+        await self.mesh.subscribe(subjects.prefill_submit(self.worker_id), self.on_submit, span_name="prefill.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="prefill.abort")
         await self.mesh.subscribe(subjects.PREFILL_ABORT_ANY, self.on_abort, span_name="prefill.abort")
 
@@ -78,18 +86,25 @@ class PrefillService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if req.request_id in self.aborted:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
+        if req.request_id in self.requests:  # a second copy would stream its first token twice
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
         try:
             await self.load_stored_prefix(req)
         except Exception as e:  # the cache is an optimisation: never fail a request for it
             log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
+        if req.request_id in self.aborted:  # aborted while its prefix loaded
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
+        # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
+        # this coroutine resumes (the engine steps at once), and would be dropped as aborted.
+        self.requests[req.request_id] = req
         try:
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 cache_salt=req.cache_salt,
             )
         except RequestError as e:
+            self.requests.pop(req.request_id, None)
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
-        self.requests[req.request_id] = req
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
     async def on_abort(self, msg: AbortRequest) -> None:
@@ -161,6 +176,9 @@ class PrefillService(EngineWorker):
                 block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
                 self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes,
                                                      self.engine.config.block_size))
+            if req.request_id in self.aborted:  # the gateway gave up on us and resumed it on decode itself
+                log.info("handoff_skipped_aborted", request_id=req.request_id)
+                return
             handoff = DecodeRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=out.new_token_ids, sampling=req.sampling, stream_subject=req.stream_subject,
