@@ -91,7 +91,11 @@ def validate(req: oai.CompletionRequest, gw: Gateway) -> None:
 
 
 def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
-    ids = list(req.prompt) if isinstance(req.prompt, list) else gw.model.tokenizer.encode(req.prompt).ids
+    if isinstance(req.prompt, list):
+        ids = list(req.prompt)
+    else:  # a ``tokenizers.Tokenizer`` returns an Encoding; a transformers tokenizer, a list of ids
+        enc = gw.model.tokenizer.encode(req.prompt)
+        ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
     return ids
