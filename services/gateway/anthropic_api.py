@@ -50,10 +50,10 @@ from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Discriminator, model_validator
 
 from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages, field_names, log_finished,
-                                          matched_stop, output_budget, parse_body, run)
+                                          matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request
-from deepinfer.gateway.generate import Gateway, abort_all, check_workers, new_choices, open_choices
+from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.limits import BodyTooLarge
 from deepinfer.gateway.stream import ClientGone, spawn
 from deepinfer.protocol import SamplingParams
@@ -411,21 +411,7 @@ class _Reply:
 
 async def _collect(reply: _Reply, request: Request) -> dict:
     r = reply.run
-    clean = False
-    try:
-        async with aclosing(run(r, request.is_disconnected)) as events:
-            async for _ in events:
-                pass
-        clean = True
-    except (OpenAIError, ClientGone):
-        clean = True
-        raise
-    finally:
-        if clean:
-            await abort_all([r.choice])
-        else:  # cancelled: an await here could be cancelled too
-            spawn(r.choice.stream.abort())
-        log_finished(r)
+    await run_to_end(r, request.is_disconnected)
     stop_reason, stop_sequence = reply.stop()
     return reply.message([reply.block(b) for b in r.assembler.blocks], stop_reason, stop_sequence, reply.usage())
 

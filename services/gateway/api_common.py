@@ -19,10 +19,10 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
-from deepinfer.gateway.errors import bad_request, internal, unavailable, validation_error
-from deepinfer.gateway.generate import Choice, Gateway, chunks, http_error, raise_if_failed
+from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable, validation_error
+from deepinfer.gateway.generate import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
 from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.stream import StreamError
+from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCall, ToolCallParser
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, subjects
@@ -290,3 +290,23 @@ def log_finished(r: Run, disconnected: bool = False) -> None:
              completion_tokens=r.output_tokens, cached_tokens=r.cached_tokens,
              finish_reason=str(r.proc.finish_reason), tool_calls=len(r.assembler.calls),
              client_disconnected=disconnected, seconds=round(time.monotonic() - r.started, 3))
+
+
+async def run_to_end(r: Run, is_disconnected=None) -> None:
+    """Drive ``run`` to the end for a non-streamed reply (its events fill ``r.assembler``);
+    abort the worker whatever happens and log the request. Raises what ``run`` raises."""
+    clean = False
+    try:
+        async with aclosing(run(r, is_disconnected)) as events:
+            async for _ in events:
+                pass
+        clean = True
+    except (OpenAIError, ClientGone):
+        clean = True
+        raise
+    finally:
+        if clean:
+            await abort_all([r.choice])
+        else:  # cancelled: an await here could be cancelled too
+            spawn(r.choice.stream.abort())
+        log_finished(r)

@@ -144,6 +144,16 @@ class SamplingRequest(_Strict):
     # X-Traffic-Class header); default "chat"
     traffic_class: str | None = None
 
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
@@ -155,16 +165,6 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
 
 class CompletionRequest(SamplingRequest):
     """``/v1/completions`` (legacy): a raw prompt, no chat template."""
@@ -174,16 +174,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None  # top alternatives per token, 0-5
     suffix: str | None = None
     best_of: int | None = None
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 def field_names() -> set[str]:

@@ -59,10 +59,10 @@ from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, ValidationError, model_validator
 
 from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages, field_names, log_finished,
-                                          output_budget, parse_body, run)
+                                          output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
-from deepinfer.gateway.generate import Gateway, abort_all, check_workers, new_choices, open_choices
+from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
 from deepinfer.protocol import SamplingParams
@@ -487,21 +487,7 @@ class _Reply:
 
 async def _collect(reply: _Reply, request: Request) -> dict:
     r = reply.run
-    clean = False
-    try:
-        async with aclosing(run(r, request.is_disconnected)) as events:
-            async for _ in events:
-                pass
-        clean = True
-    except (OpenAIError, ClientGone):
-        clean = True
-        raise
-    finally:
-        if clean:
-            await abort_all([r.choice])
-        else:  # cancelled: an await here could be cancelled too
-            spawn(r.choice.stream.abort())
-        log_finished(r)
+    await run_to_end(r, request.is_disconnected)
     body = reply.final()
     await reply.save(body)
     return body
