@@ -58,9 +58,15 @@ class Reports:
     async def close(self) -> None:
         await self.mc.close()
 
-    def busiest(self, role: str) -> LoadReport:
-        return max((r for r in self.latest.values() if r.role == role),
-                   key=lambda r: (r.active_requests + r.waiting_requests, r.worker_id))
+    async def busiest(self, role: str, timeout: float = 10) -> LoadReport:
+        """The ``role`` worker with the most requests (waits for a first report: the observer
+        may have subscribed after the last heartbeat)."""
+        for _ in range(int(timeout * 20)):
+            reports = [r for r in self.latest.values() if r.role == role]
+            if reports:
+                return max(reports, key=lambda r: (r.active_requests + r.waiting_requests, r.worker_id))
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no {role} heartbeat within {timeout}s")
 
 
 def process(mesh: Mesh, worker_id: str):
@@ -139,7 +145,7 @@ def test_decode_worker_killed_mid_stream_resumes_on_the_other_one_with_the_same_
         run = asyncio.ensure_future(streams.run())
         await until(lambda: streams.min_chunks() >= 6 or run.done(), 120, "every stream to be under way")
         assert not run.done(), "the streams finished before the kill: lengthen them"
-        victim = reports.busiest("decode")
+        victim = await reports.busiest("decode")
         assert victim.active_requests > 0, reports.latest
         await asyncio.to_thread(process(m, victim.worker_id).kill)
         killed_at = time.monotonic()
@@ -191,7 +197,7 @@ def test_prefill_worker_killed_with_queued_requests_they_are_redispatched(make_m
 
         await until(queued, 60, "a prefill worker with queued requests")
         assert not run.done()
-        victim = reports.busiest("prefill")
+        victim = await reports.busiest("prefill")
         await asyncio.to_thread(process(m, victim.worker_id).kill)
         killed_at = time.monotonic()
         got = await run
@@ -250,9 +256,9 @@ def test_sigterm_drains_prefill_and_decode_workers_without_failing_a_request(mak
         run_first = asyncio.ensure_future(first.run())
         await until(lambda: first.min_chunks() >= 3 or run_first.done(), 60, "the first requests to stream")
         assert not run_first.done()
-        busy = reports.busiest("decode")
+        busy = await reports.busiest("decode")
         assert busy.active_requests > 0
-        decode, prefill = busy.worker_id, reports.busiest("prefill").worker_id
+        decode, prefill = busy.worker_id, (await reports.busiest("prefill")).worker_id
         for name in (decode, prefill):
             process(m, name).terminate()  # SIGTERM: drain
         sent_at = time.monotonic()
