@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = sub.add_parser("convert", help="convert the embedded default model and print its directory")
     conv.add_argument("--model", default=None, help=argparse.SUPPRESS)
+
+    from deepinfer.bench import replay
+
+    bench = sub.add_parser("bench", help="benchmark clients").add_subparsers(dest="bench", required=True)
+    replay.add_arguments(bench.add_parser("replay", help="replay a Mooncake-format trace through a gateway",
+                                          description=replay.__doc__.split("\n\n")[0]))
     return p
 
 
@@ -175,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_up(args)
     if args.command == "convert":
         return cmd_convert(args)
+    if args.command == "bench":
+        from deepinfer.bench import replay
+
+        replay.run(args)
+        return 0
     return 2  # unreachable: subcommand is required
 
 

@@ -215,8 +215,17 @@ def test_a_mock_mesh_serves_the_openai_client_deterministically(mock_mesh):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.choices[0].message.content
     assert _chat(client, "Tell me about stacks.").choices[0].message.content != first.choices[0].message.content
     long = "Summarise: " + "queues hold requests until a worker is free. " * 30
-    cold, warm = _chat(client, long), _chat(client, long)  # warm: this prefill's cache, or the storage tier
-    assert warm.choices[0].message.content == cold.choices[0].message.content
+    cold = _chat(client, long)
+    # warm: this prefill's own cache at once, or the other's through the storage tier once the write-behind
+    # store and its kvindex event have landed (a short window in which a warm request on the other worker
+    # legitimately misses), so ask again for a while before calling it a miss
+    deadline = time.monotonic() + 20
+    while True:
+        warm = _chat(client, long)
+        assert warm.choices[0].message.content == cold.choices[0].message.content
+        if warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert warm.usage.prompt_tokens_details.cached_tokens >= warm.usage.prompt_tokens - 32
     client.close()
     assert all(o.usage.completion_tokens == 20 for o in serve_many(mock_mesh))

@@ -173,6 +173,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens fed through the model (not cache hits)
         self.last_step_s = 0.0  # forward time of the last step (s)
+        self.busy_s_total = 0.0  # forward time of all steps (s)
+        self.num_finished_requests = 0  # finished or handed off
         # forward-thread idle time between consecutive steps' forward passes (s)
         self.step_gaps: deque[float] = deque(maxlen=4096)
         self.num_overlapped_steps = 0  # steps scheduled while the previous one ran
@@ -355,6 +357,7 @@ class LLMEngine:
             self.step_gaps.append(t0 - self._forward_end)
         logits = self.runner.execute(step.inputs)
         self.last_step_s = time.perf_counter() - t0
+        self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
         seqs = [step.seqs[i] for i in step.sampling]
         result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs],
@@ -383,6 +386,7 @@ class LLMEngine:
         logprobs = dict(zip(step.sampling, result.logprobs))
         live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
         finished = {id(s) for s in self.scheduler.update(step.seqs, sampled)}
+        self.num_finished_requests += len(finished)
         outputs = []
         for i, seq in enumerate(step.seqs):
             if i in live:

@@ -260,6 +260,7 @@ class MockEngine(LLMEngine):
         if delay > 0:
             time.sleep(delay)
         self.last_step_s = time.perf_counter() - t0
+        self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
         tokens, logprobs = [], []
         for i in step.sampling:

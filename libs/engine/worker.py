@@ -58,7 +58,8 @@ class EngineWorker(Service):
                           step_time_budget_s=e.config.step_time_budget_s or 0.0, block_size=bm.block_size,
                           prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
                           engine=e.engine_kind, fingerprint=e.fingerprint,
-                          kv_block_bytes=e.block_bytes)
+                          kv_block_bytes=e.block_bytes, finished_requests=e.num_finished_requests,
+                          computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total)
 
     def busy(self) -> bool:
         return bool(self.requests)

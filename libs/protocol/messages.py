@@ -228,6 +228,9 @@ class LoadReport:
     mock engine's differs from the model's), so a router can hash prompts as the worker does
     and look them up in the kvindex ("" = unknown). kv_block_bytes: bytes of one KV block
     over all layers (what loading a stored block reads; a mock reports the modelled model's).
+    finished_requests / computed_tokens / busy_s: since start, requests finished (or handed
+    off), tokens fed through the model (not cache hits) and seconds spent in forward passes
+    (a load-balance view: trace replay compares them across workers).
     """
 
     role: str
@@ -253,6 +256,9 @@ class LoadReport:
     engine: str = ""
     fingerprint: str = ""
     kv_block_bytes: int = 0
+    finished_requests: int = 0
+    computed_tokens: int = 0
+    busy_s: float = 0.0
 
 
 @message

@@ -1,0 +1,58 @@
+"""A streaming OpenAI Completions client that records what the serving metrics need.
+
+Raw SSE over ``httpx`` (not the ``openai`` client: at hundreds of chunks per
+second its per-chunk pydantic parsing would cost the benchmark more CPU than
+the server under test).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from deepinfer.bench.metrics import RequestResult
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+                            max_tokens: int, clock0: float, extra: dict | None = None,
+                            headers: dict | None = None) -> RequestResult:
+    """POST ``url`` (``.../v1/completions``) with ``stream`` and ``include_usage``; greedy, ``ignore_eos``.
+
+    Times are ``time.perf_counter() - clock0`` seconds. Never raises for a
+    failed request: the result carries ``status`` and ``error`` instead.
+    """
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra or {})}
+    res = RequestResult(sent=time.perf_counter() - clock0)
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = text[:300] or f"HTTP {resp.status_code}"
+                if "retry-after" in resp.headers:
+                    res.retry_after_s = float(resp.headers["retry-after"])
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter() - clock0
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message", chunk["error"]))[:300]
+                    break
+                if any(c.get("text") for c in chunk.get("choices") or ()):
+                    res.token_times.append(now)
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                    res.output_tokens = usage.get("completion_tokens", 0)
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    res.end = time.perf_counter() - clock0
+    if res.status == 200 and not res.error and not res.token_times:
+        res.error = "stream ended without output"
+    return res

@@ -1,0 +1,293 @@
+"""Replay a Mooncake-format trace through a running gateway (issue #6, item 6).
+
+``deepinfer bench replay`` sends every request of a (scaled) trace at its
+arrival time as a streamed ``/v1/completions`` request with token-id prompts
+built from the trace's hash ids (``trace.PromptMaker``), either to a mesh it
+starts itself (``--prefill N --decode N`` mock workers, the real gateway,
+routers, tokenizer, kvindex and storage tier) or to ``--url``. It reports:
+
+- cache hit rate in tokens (``usage.prompt_tokens_details.cached_tokens`` over
+  prompt tokens) next to the trace's ideal (infinite cache) hit rate, both as
+  the trace defines it (512-token blocks) and as the engine can reach it
+  (whole KV blocks, the last prompt token always computed);
+- TTFT / TPOT / ITL / E2E percentiles, throughput and goodput under the SLOs
+  (``metrics.summarize``);
+- per-worker load balance from the workers' load reports (NATS, when the
+  mesh's NATS URL is known): requests finished, tokens computed, busy seconds;
+
+and writes ``replay.json`` (summary + per request) and ``ttft_over_time.png``.
+
+    deepinfer bench replay --trace benchmarks/traces/mooncake_synthetic_trace.jsonl \\
+        --prefill 8 --decode 8 --time-scale 0.25 --output-scale 0.125 --out /tmp/replay
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from deepinfer.bench.client import stream_completion
+from deepinfer.bench.metrics import RequestResult, percentile, summarize
+from deepinfer.bench.trace import (PromptMaker, TraceRequest, ideal_engine_hits, ideal_hit_rate, load_mooncake,
+                                   scale_trace)
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+class LoadWatcher:
+    """Keeps each worker's first and latest ``LoadReport`` heard on NATS (``subjects.LOAD_ALL``)."""
+
+    def __init__(self, nats_url: str):
+        self.nats_url = nats_url
+        self.first: dict[str, object] = {}
+        self.last: dict[str, object] = {}
+        self._nc = None
+
+    async def start(self) -> None:
+        import nats
+
+        from deepinfer.protocol import LoadReport, subjects, unpack
+
+        self._nc = await nats.connect(self.nats_url)
+
+        async def on_report(msg) -> None:
+            r = unpack(LoadReport, msg.data)
+            self.first.setdefault(r.worker_id, r)
+            self.last[r.worker_id] = r
+
+        await self._nc.subscribe(subjects.LOAD_ALL, cb=on_report)
+
+    async def stop(self) -> None:
+        if self._nc is not None:
+            await self._nc.drain()
+
+    def per_worker(self) -> list[dict]:
+        """Per worker, what it did between its first and latest report heard."""
+        rows = []
+        for wid in sorted(self.last):
+            a, b = self.first[wid], self.last[wid]
+            rows.append({"worker": wid, "role": b.role, "finished": b.finished_requests - a.finished_requests,
+                         "computed_tokens": b.computed_tokens - a.computed_tokens,
+                         "hit_tokens": b.prefix_hit_tokens - a.prefix_hit_tokens,
+                         "busy_s": b.busy_s - a.busy_s, "steps": b.steps - a.steps})
+        return rows
+
+
+async def replay(url: str, model: str, reqs: list[TraceRequest], prompts: list[list[int]],
+                 traffic_class: str | None = None, timeout_s: float = 600,
+                 progress=None) -> tuple[list[RequestResult], float]:
+    """Send ``prompts[i]`` at ``reqs[i].arrival_s`` (seconds after the start) to ``url`` (the
+    gateway's base URL); wait for every reply. Returns the results (in trace order) and
+    the run's duration in seconds (first send -> last reply)."""
+    endpoint = url.rstrip("/") + "/v1/completions"
+    extra = {"traffic_class": traffic_class} if traffic_class else None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    done = 0
+
+    async def one(i: int) -> RequestResult:
+        nonlocal done
+        res = await stream_completion(client, endpoint, model, prompts[i], reqs[i].output_length, clock0, extra)
+        done += 1
+        if progress:
+            progress(done, len(reqs))
+        return res
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30), limits=limits) as client:
+        clock0 = time.perf_counter()
+        tasks = []
+        for i, r in enumerate(reqs):
+            delay = r.arrival_s - (time.perf_counter() - clock0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        results = await asyncio.gather(*tasks)
+    duration = max((r.end for r in results), default=0.0) - min((r.sent for r in results), default=0.0)
+    return list(results), max(duration, 1e-9)
+
+
+def report(reqs: list[TraceRequest], results: list[RequestResult], duration_s: float, trace_ideal: float,
+           block_tokens: int, kv_block_size: int, workers: list[dict], slo_ttft_s: float,
+           slo_tpot_s: float) -> dict:
+    """The replay's summary: ``metrics.summarize`` plus hit rates (measured, ideal) and workers."""
+    summary = summarize(results, duration_s, slo_ttft_s, slo_tpot_s)
+    ideal = ideal_engine_hits(reqs, block_tokens, kv_block_size)
+    done = [i for i, r in enumerate(results) if r.ok]
+    prompt = sum(reqs[i].input_length for i in done)
+    summary["hit_rate"] = {
+        "measured": summary["cached_share"],
+        "ideal_engine": sum(ideal[i] for i in done) / prompt if prompt else 0.0,
+        "ideal_trace": trace_ideal,
+    }
+    summary["duration_s"] = duration_s
+    summary["slo"] = {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}
+    summary["workers"] = workers
+    for role in ("prefill", "decode"):
+        busy = [w["busy_s"] for w in workers if w["role"] == role]
+        if busy and sum(busy) > 0:
+            summary.setdefault("balance", {})[role] = {"busy_max_over_mean": max(busy) / (sum(busy) / len(busy))}
+    return summary
+
+
+def format_table(s: dict) -> str:
+    """The summary as a terminal table."""
+    q = s["requests"]
+    lines = [f"requests: {q['sent']} sent, {q['completed']} completed, {q['rejected_429']} rejected (429), "
+             f"{q['failed']} failed, in {s['duration_s']:.1f} s",
+             f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+             f"goodput {s['goodput']:.2f} req/s (TTFT <= {s['slo']['ttft_s']} s, TPOT <= {s['slo']['tpot_s']} s)",
+             "hit rate (tokens): measured {measured:.2%} | ideal, engine blocks {ideal_engine:.2%} | "
+             "ideal, trace blocks {ideal_trace:.2%}".format(**s["hit_rate"]),
+             f"{'metric':<10}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}   (seconds)"]
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        d = s[k]
+        lines.append(f"{k[:-2].upper():<10}" + "".join(f"{d[m]:>10.3f}" for m in ("mean", "median", "p90", "p99")))
+    if s["workers"]:
+        lines.append(f"{'worker':<14}{'finished':>10}{'computed tok':>14}{'hit tok':>10}{'busy s':>10}{'steps':>8}")
+        for w in s["workers"]:
+            lines.append(f"{w['worker']:<14}{w['finished']:>10}{w['computed_tokens']:>14}{w['hit_tokens']:>10}"
+                         f"{w['busy_s']:>10.1f}{w['steps']:>8}")
+        for role, b in s.get("balance", {}).items():
+            lines.append(f"{role} balance: busiest worker {b['busy_max_over_mean']:.2f}x the mean busy time")
+    return "\n".join(lines)
+
+
+def plot_ttft(reqs: list[TraceRequest], results: list[RequestResult], path: Path, slo_ttft_s: float) -> None:
+    """PNG: TTFT of every completed request against its arrival time, with a rolling p90."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted((r.sent, r.ttft) for r in results if r.ok)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
+    if pts:
+        xs, ys = zip(*pts)
+        ax.scatter(xs, ys, s=4, alpha=0.35, label="TTFT per request")
+        window = max(1, len(pts) // 40)
+        roll = [percentile(list(ys[max(0, i - window):i + window + 1]), 90) for i in range(len(ys))]
+        ax.plot(xs, roll, color="C3", lw=1.5, label=f"rolling p90 (±{window} requests)")
+    ax.axhline(slo_ttft_s, color="gray", ls="--", lw=1, label=f"TTFT SLO {slo_ttft_s} s")
+    rejected = [r.sent for r in results if r.status == 429]
+    if rejected:
+        ax.scatter(rejected, [0] * len(rejected), marker="x", color="k", s=10, label="429")
+    ax.set_xlabel("arrival (s since start)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_title(f"Trace replay: TTFT over time ({len(pts)} requests)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSON lines (default: %(default)s)")
+    p.add_argument("--url", default=None, help="a running gateway (default: start a mock mesh)")
+    p.add_argument("--nats-url", default=None, help="that mesh's NATS, for the per-worker table (with --url)")
+    p.add_argument("--model", default=None, help="model name to send (default: the gateway's first /v1/models)")
+    p.add_argument("--prefill", type=int, default=8, help="mock prefill workers to start (without --url)")
+    p.add_argument("--decode", type=int, default=8, help="mock decode workers to start (without --url)")
+    p.add_argument("--mock-cost", default=None, help="timing model a,b,d,e for the mock workers (s)")
+    p.add_argument("--prefill-router", default=None, help="the gateway's --prefill-router (without --url)")
+    p.add_argument("--gateway-arg", action="append", default=[], help="more gateway arguments (without --url)")
+    p.add_argument("--time-scale", type=float, default=0.25, help="arrival times x this (default 0.25)")
+    p.add_argument("--block-tokens", type=int, default=16,
+                   help="tokens per 512-token trace block: length scale = this / 512 (default 16)")
+    p.add_argument("--output-scale", type=float, default=0.125, help="output lengths x this (default 0.125)")
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--max-input-tokens", type=int, default=None, help="cap scaled prompts at N tokens")
+    p.add_argument("--traffic-class", default=None, help="traffic_class field to send (default: the gateway's)")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO for goodput, seconds (default 5)")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO for goodput, seconds (default 0.5)")
+    p.add_argument("--out", type=Path, default=Path("replay-out"), help="directory for replay.json and the PNG")
+    p.add_argument("--timeout", type=float, default=600, help="per-request timeout, seconds")
+
+
+async def _model_name(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.get(url.rstrip("/") + "/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run a replay as the command line describes; returns the summary (also written to ``--out``)."""
+    rows = load_mooncake(args.trace)
+    reqs = scale_trace(rows, args.time_scale, args.block_tokens, args.output_scale, args.max_requests,
+                       args.max_input_tokens)
+    trace_ideal = ideal_hit_rate(rows[:args.max_requests] if args.max_requests else rows)
+    maker = PromptMaker(args.block_tokens)
+    prompts = [maker.prompt(r) for r in reqs]
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    mesh = None
+    if args.url is None:
+        from deepinfer.launcher import Mesh
+
+        mock = ["--engine", "mock", "--heartbeat-s", "0.5"] + (["--mock-cost", args.mock_cost] if args.mock_cost else [])
+        gateway = list(args.gateway_arg) + (["--prefill-router", args.prefill_router] if args.prefill_router else [])
+        mesh = Mesh(replicas={"prefill": args.prefill, "decode": args.decode},
+                    extra_args={"prefill": mock, "decode": mock, "gateway": gateway})
+        say(f"starting a mesh: {args.prefill} mock prefill + {args.decode} mock decode workers ...")
+        mesh.start(timeout=600)
+        url, nats_url = mesh.gateway_url, mesh.nats_url
+    else:
+        url, nats_url = args.url, args.nats_url
+    try:
+        return asyncio.run(_run(args, url, nats_url, reqs, prompts, trace_ideal, say))
+    finally:
+        if mesh is not None:
+            mesh.stop()
+
+
+async def _run(args, url, nats_url, reqs, prompts, trace_ideal, say) -> dict:
+    model = args.model or await _model_name(url)
+    watcher = LoadWatcher(nats_url) if nats_url else None
+    if watcher:
+        await watcher.start()
+        await asyncio.sleep(1.5)  # a first report from every worker
+    span = reqs[-1].arrival_s if reqs else 0
+    say(f"replaying {len(reqs)} requests over {span:.0f} s "
+        f"(mean prompt {sum(r.input_length for r in reqs) / max(1, len(reqs)):.0f} tokens) against {url}")
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        if time.monotonic() - last[0] > 10 or done == total:
+            last[0] = time.monotonic()
+            say(f"  {done}/{total} done")
+
+    results, duration = await replay(url, model, reqs, prompts, args.traffic_class, args.timeout, progress)
+    workers = []
+    if watcher:
+        await asyncio.sleep(1.5)  # the reports after the last request
+        workers = watcher.per_worker()
+        await watcher.stop()
+    summary = report(reqs, results, duration, trace_ideal, args.block_tokens, 16, workers, args.slo_ttft,
+                     args.slo_tpot)
+    summary["args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_request = [{"arrival_s": q.arrival_s, "input_length": q.input_length, "output_length": q.output_length,
+                    **{k: v for k, v in asdict(r).items() if k != "token_times"},
+                    "ttft_s": r.ttft if r.ok else None} for q, r in zip(reqs, results)]
+    (args.out / "replay.json").write_text(json.dumps({"summary": summary, "requests": per_request}, indent=1))
+    plot_ttft(reqs, results, args.out / "ttft_over_time.png", args.slo_ttft)
+    print(format_table(summary))
+    say(f"wrote {args.out / 'replay.json'} and {args.out / 'ttft_over_time.png'}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deepinfer bench replay", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
