@@ -3,6 +3,7 @@ fallbacks, 429 shapes, and the acceptance runs on a mesh of mock workers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -432,7 +433,44 @@ async def test_a_chosen_worker_that_does_not_answer_is_aborted_before_the_next_i
                      subjects.prefill_submit("b"): SubmitReply(True, "b")})
     reply = await submit_prefill(mesh, _req(), plan, timeout_s=5)
     assert reply.worker_id == "b"
-    assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r"))]
+    assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r", attempt=1))]  # that attempt only
+
+
+async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attempt(tmp_path):
+    """A timed-out targeted submit is aborted for its attempt only: the queue group's next attempt
+    may land on the same worker and must be taken; an abort of any attempt drops the request."""
+    from types import SimpleNamespace
+
+    from deepinfer.engine.llm_engine import EngineConfig
+    from deepinfer.engine.mock import MockConfig
+    from deepinfer.models.convert import ensure_default_model
+    from deepinfer.prefill.service import PrefillService
+
+    svc = PrefillService("nats://unused", str(ensure_default_model(progress=False)), EngineConfig(prefill_only=True), str(tmp_path),
+                         mock=MockConfig())
+    admitted, aborted = [], []
+
+    async def admit(req):
+        admitted.append((req.request_id, req.attempt))
+
+    svc.admit = admit
+    svc.async_engine = SimpleNamespace(abort=aborted.append)
+
+    def attempt(n: int, prompt=(1, 2, 3)) -> PrefillRequest:
+        return PrefillRequest("r", list(prompt), SamplingParams(), "deepinfer.stream.r", attempt=n)
+
+    await svc.on_abort(AbortRequest("r", attempt=1))  # the late copy of attempt 1, not here yet
+    assert (await svc.on_submit(attempt(1))).error == "aborted"
+    assert (await svc.on_submit(attempt(2))).accepted
+    await asyncio.sleep(0)
+    assert admitted == [("r", 2)] and "r" in svc.requests
+    await svc.on_abort(AbortRequest("r", attempt=1))  # a stale attempt's abort leaves attempt 2 alone
+    assert "r" in svc.requests and aborted == []
+    assert (await svc.on_submit(attempt(3))).error == "request already running here"
+    await svc.on_abort(AbortRequest("r"))  # any attempt: the client left
+    assert "r" not in svc.requests and aborted == ["r"]
+    too_long = await svc.on_submit(PrefillRequest("q", [1] * svc.engine.max_model_len, SamplingParams(), "s"))
+    assert not too_long.accepted and "max model length" in too_long.error  # checked before the answer
 
 
 async def test_a_bad_request_is_not_retried_and_no_plan_means_the_queue_group():

@@ -58,7 +58,7 @@ class LoadWatcher:
         self._nc = await nats.connect(self.nats_url)
 
         async def on_report(msg) -> None:
-            r = unpack(LoadReport, msg.data)
+            r = unpack(msg.data, LoadReport)
             self.first.setdefault(r.worker_id, r)
             self.last[r.worker_id] = r
 
@@ -208,6 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO for goodput, seconds (default 0.5)")
     p.add_argument("--out", type=Path, default=Path("replay-out"), help="directory for replay.json and the PNG")
     p.add_argument("--timeout", type=float, default=600, help="per-request timeout, seconds")
+    p.add_argument("--workdir", default=None, help="the started mesh's logs / KV blocks (default: a temporary dir)")
 
 
 async def _model_name(url: str) -> str:
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
 
         mock = ["--engine", "mock", "--heartbeat-s", "0.5"] + (["--mock-cost", args.mock_cost] if args.mock_cost else [])
         gateway = list(args.gateway_arg) + (["--prefill-router", args.prefill_router] if args.prefill_router else [])
-        mesh = Mesh(replicas={"prefill": args.prefill, "decode": args.decode},
+        mesh = Mesh(workdir=args.workdir, replicas={"prefill": args.prefill, "decode": args.decode},
                     extra_args={"prefill": mock, "decode": mock, "gateway": gateway})
         say(f"starting a mesh: {args.prefill} mock prefill + {args.decode} mock decode workers ...")
         mesh.start(timeout=600)

@@ -194,14 +194,8 @@ class LLMEngine:
 
         Raises RequestError for an empty or too-long prompt or inconsistent KV.
         """
+        self.check_request(prompt_token_ids, output_token_ids)
         tokens = list(prompt_token_ids) + list(output_token_ids)
-        if not prompt_token_ids:
-            raise RequestError("empty prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise RequestError(f"token ids must be in [0, {vocab})")
-        if len(tokens) >= self.max_model_len:
-            raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode())
         if self.block_manager.enable_prefix_caching:
@@ -232,6 +226,18 @@ class LLMEngine:
             else:  # no room now -> recompute from tokens when blocks free up
                 seq.num_computed_tokens = 0
         self.scheduler.add(seq)
+
+    def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = ()) -> None:
+        """Raise RequestError unless the prompt is non-empty, every token id is in the
+        vocabulary and prompt + output stay below ``max_model_len`` (pure: any thread)."""
+        if not prompt_token_ids:
+            raise RequestError("empty prompt")
+        vocab = self.model_config.vocab_size
+        tokens = list(prompt_token_ids) + list(output_token_ids)
+        if any(not 0 <= t < vocab for t in tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})")
+        if len(tokens) >= self.max_model_len:
+            raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
 
     def cached_prefix_blocks(self, hashes: list[str]) -> int:
         """How many leading ``hashes`` this engine's prefix cache holds now (a hint: may

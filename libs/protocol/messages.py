@@ -132,6 +132,7 @@ class PrefillRequest:
     traffic_class: str = "chat"
     cache_salt: str | None = None  # tenant key mixed into the prefix hashes: no sharing across salts
     decode_worker: str | None = None
+    attempt: int = 0  # the gateway's submit attempt for this request (see ``AbortRequest.attempt``)
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -171,9 +172,14 @@ class SubmitReply:
 
 @message
 class AbortRequest:
-    """gateway -> worker: stop this request and free its KV blocks."""
+    """gateway -> worker: stop this request and free its KV blocks.
+
+    attempt: only the prefill submit with this ``PrefillRequest.attempt`` (a targeted submit
+    that timed out, so a later attempt of the same request may still land on this worker);
+    -1 = any attempt."""
 
     request_id: str
+    attempt: int = -1
 
 
 @message

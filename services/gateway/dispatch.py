@@ -8,8 +8,11 @@ of the submit timeout:
   accepted                       -> done (the router books it on the worker that accepted)
   refused / no responders /
   bad reply / internal error     -> the next candidate
-  no answer in time              -> ``AbortRequest`` to that worker only (so a late submit is
-                                    refused or dropped there), then the next candidate
+  no answer in time              -> ``AbortRequest`` to that worker for that attempt only (each
+                                    submit carries its own ``PrefillRequest.attempt``: the late
+                                    copy is refused or dropped there, while a later attempt the
+                                    queue group hands the same worker is taken), then the next
+                                    candidate
   "bad_request" error            -> raised at once (every worker would refuse it)
 
 Without a plan (or with no candidates) it is exactly one queue-group submit. The last attempt's
@@ -39,6 +42,7 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
             if left <= 0.5:  # keep time for the queue group
                 break
             worker = cand.worker_id
+            req.attempt += 1
             try:
                 reply = await mesh.request(subjects.prefill_submit(worker), req,
                                            min(cfg.targeted_timeout_s, left - 0.5), expect=SubmitReply)
@@ -47,7 +51,8 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
                     raise
                 why = f"error: {e}"
             except RequestTimeout:
-                await mesh.publish(subjects.abort("prefill", worker), AbortRequest(req.request_id))
+                # NOTE: this attempt only: the queue group below may pick the same (slow) worker
+                await mesh.publish(subjects.abort("prefill", worker), AbortRequest(req.request_id, req.attempt))
                 why = "no answer in time"
             except (NoResponders, ProtocolError) as e:
                 why = type(e).__name__
@@ -58,6 +63,7 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
                 why = f"refused: {reply.error}"
             router.failed(plan, worker)
             log.info("prefill_target_fallback", request_id=req.request_id, worker=worker, reason=why)
+    req.attempt += 1
     try:
         reply = await mesh.request(subjects.PREFILL_SUBMIT, req, max(deadline - time.monotonic(), 0.5),
                                    expect=SubmitReply)

@@ -375,7 +375,7 @@ class RequestStream:
 
     async def _redispatch_prefill(self, target: str | None) -> SubmitReply:
         req = PrefillRequest(self.request_id, self.prompt_token_ids, self.sampling, subjects.stream(self.request_id),
-                             self.traffic_class, self.cache_salt)
+                             self.traffic_class, self.cache_salt, attempt=100 + self.failovers)
         subject = subjects.prefill_submit(target) if target else subjects.PREFILL_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 

@@ -7,8 +7,9 @@ Lifecycle of a request in this service:
      (with its ``cache_salt``) are looked up in the kvindex; the stored
      blocks beyond what this engine caches already are read (a missing or
      corrupt block ends the prefix there and is reported removed) and put into
-     the engine's prefix cache. Then the request is validated and queued
-     (reply ``SubmitReply``): the engine computes only the uncached tokens.
+     the engine's prefix cache. The submit is answered (``SubmitReply``) once
+     the request is checked, before that load; then the request is queued in
+     the engine, which computes only the uncached tokens.
   2. Engine ``waiting`` -> a prefill step computes the prompt's KV and samples
      the first token (finish reason ``handoff``, or ``stop``/``length`` when
      the first token already ends it).
@@ -55,7 +56,7 @@ log = get_logger(__name__)
 
 HANDOFF_TIMEOUT_S = 10.0
 TARGET_HANDOFF_TIMEOUT_S = 3.0  # the gateway's chosen decode worker, before the queue group
-ABORTED_MEMORY = 4096  # request ids remembered as aborted
+ABORTED_MEMORY = 4096  # (request id, attempt) pairs remembered as aborted
 
 
 class PrefillService(EngineWorker):
@@ -65,7 +66,8 @@ class PrefillService(EngineWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.aborted: OrderedDict[str, None] = OrderedDict()  # ids aborted before they arrived
+        # (request id, attempt or -1 = any) aborted before they arrived
+        self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
 
     async def setup(self) -> None:
@@ -82,36 +84,54 @@ class PrefillService(EngineWorker):
 
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: PrefillRequest) -> SubmitReply:
+        """Answer at once (the gateway times submits out): checks, then the prefix load and
+        the engine queueing go on in ``admit``."""
         if self.draining:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
-        if req.request_id in self.aborted:
+        if self.was_aborted(req):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         if req.request_id in self.requests:  # a second copy would stream its first token twice
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
         try:
+            self.engine.check_request(req.prompt_token_ids)
+        except RequestError as e:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
+        # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
+        # ``admit`` resumes (the engine steps at once), and would be dropped as aborted.
+        self.requests[req.request_id] = req
+        self.spawn(self.admit(req))
+        return SubmitReply(accepted=True, worker_id=self.worker_id)
+
+    async def admit(self, req: PrefillRequest) -> None:
+        """Load the request's stored prefix, then queue it in the engine (unless aborted meanwhile)."""
+        try:
             await self.load_stored_prefix(req)
         except Exception as e:  # the cache is an optimisation: never fail a request for it
             log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
-        if req.request_id in self.aborted:  # aborted while its prefix loaded
-            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
-        # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
-        # this coroutine resumes (the engine steps at once), and would be dropped as aborted.
-        self.requests[req.request_id] = req
+        if self.requests.get(req.request_id) is not req:  # aborted while its prefix loaded
+            return
         try:
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 cache_salt=req.cache_salt,
             )
-        except RequestError as e:
+        except Exception as e:  # checked in on_submit: an engine failure
             self.requests.pop(req.request_id, None)
-            return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
-        return SubmitReply(accepted=True, worker_id=self.worker_id)
+            log.warning("prefill_admit_failed", request_id=req.request_id, error=str(e))
+            await self.mesh.publish(req.stream_subject, TokenChunk(
+                request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
+                finish_reason="error", error=f"prefill failed: {e}"))
+
+    def was_aborted(self, req: PrefillRequest) -> bool:
+        return (req.request_id, -1) in self.aborted or (req.request_id, req.attempt) in self.aborted
 
     async def on_abort(self, msg: AbortRequest) -> None:
-        if self.requests.pop(msg.request_id, None) is not None:
+        running = self.requests.get(msg.request_id)
+        if running is not None and msg.attempt in (-1, running.attempt):
+            del self.requests[msg.request_id]
             self.async_engine.abort(msg.request_id)
-        else:  # not here (yet): refuse it if its submit arrives late
-            self.aborted[msg.request_id] = None
+        else:  # not here (yet), or another attempt: refuse it if its submit arrives late
+            self.aborted[(msg.request_id, msg.attempt)] = None
             while len(self.aborted) > ABORTED_MEMORY:
                 self.aborted.popitem(last=False)
 
@@ -176,7 +196,7 @@ class PrefillService(EngineWorker):
                 block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
                 self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes,
                                                      self.engine.config.block_size))
-            if req.request_id in self.aborted:  # the gateway gave up on us and resumed it on decode itself
+            if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
                 return
             handoff = DecodeRequest(
