@@ -261,3 +261,50 @@ def test_mock_workers_report_their_engine_cost_model_and_work(mock_mesh):
         assert r.queued_prefill_tokens == 0 and r.active_requests == 0  # all served
     assert all(r.steps > 0 for r in reports.values()), {w: r.steps for w, r in reports.items()}
     assert sum(r.prefix_queried_tokens for w, r in reports.items() if w.startswith("prefill")) > 0
+
+
+# --- trace replay ---------------------------------------------------------------------------
+def conversation_trace(n_conv: int = 6, turns: int = 4) -> list[dict]:
+    """Multi-turn conversations sharing a 4-block system prompt: turn k extends turn k-1."""
+    rows, next_id = [], 100
+    convs = [[0, 1, 2, 3] for _ in range(n_conv)]
+    for k in range(turns):
+        for c in range(n_conv):
+            convs[c] = convs[c] + [next_id, next_id + 1]
+            next_id += 2
+            rows.append({"timestamp": 2000 * k + 150 * c, "input_length": 512 * len(convs[c]) - 100,
+                         "output_length": 40, "hash_ids": list(convs[c])})
+    return rows
+
+
+def test_trace_replay_through_a_mock_mesh_reaches_the_ideal_hit_rate_and_writes_its_report(mock_mesh, tmp_path):
+    """Issue #6, item 6: ``deepinfer bench replay`` against the mesh's gateway; every prefix a
+    later turn reuses comes back from a prefill's cache or the storage tier."""
+    import argparse
+    import json
+
+    from deepinfer.bench import replay
+    from deepinfer.bench.trace import ideal_hit_rate
+
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in conversation_trace()) + "\n")
+    p = argparse.ArgumentParser()
+    replay.add_arguments(p)
+    args = p.parse_args(["--trace", str(trace), "--url", mock_mesh.gateway_url, "--nats-url", mock_mesh.nats_url,
+                         "--time-scale", "1", "--output-scale", "0.25", "--out", str(tmp_path / "out")])
+    s = replay.run(args)
+    assert s["requests"] == {"sent": 24, "completed": 24, "rejected_429": 0, "failed": 0}
+    hit = s["hit_rate"]
+    assert hit["ideal_engine"] > 0.5
+    assert abs(hit["measured"] - hit["ideal_engine"]) <= 0.05, hit
+    assert abs(hit["ideal_trace"] - ideal_hit_rate(conversation_trace())) < 1e-12
+    d = s["ttft_s"]
+    assert 0 < d["median"] <= d["p90"] <= d["p99"] and s["output_throughput"] > 0
+    prefill = [w for w in s["workers"] if w["role"] == "prefill"]
+    assert len(prefill) == 2 and sum(w["finished"] for w in prefill) == 24
+    assert sum(w["finished"] for w in s["workers"] if w["role"] == "decode") == 24
+    saved = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert len(saved["requests"]) == 24 and saved["summary"]["hit_rate"] == hit
+    png = (tmp_path / "out" / "ttft_over_time.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "hit rate (tokens)" in replay.format_table(s)
