@@ -168,6 +168,22 @@ def test_mock_blocks_go_through_the_storage_tier_into_another_engines_prefix_cac
     assert a.fingerprint != model_fingerprint(model_dir, "float32", 16)  # never mixed with real blocks
 
 
+def test_a_prefill_that_ends_at_its_first_token_still_exports_its_whole_blocks(model_dir):
+    shared = prompt(7, 100)  # 6 whole blocks + 4 tokens
+    handoff = MockEngine(model_dir, EngineConfig(prefill_only=True), FAST)
+    handoff.add_request("h", shared, SP)
+    (h,) = handoff.step()
+    done = MockEngine(model_dir, EngineConfig(prefill_only=True), FAST)
+    done.add_request("d", shared, SamplingParams(max_tokens=1))
+    (d,) = done.step()
+    assert (h.finish_reason, d.finish_reason) == ("handoff", "length")
+    assert h.kv_blocks.shape[0] == 7 and d.kv_blocks.shape[0] == 6  # whole blocks only: for the storage tier
+    assert torch.equal(d.kv_blocks, h.kv_blocks[:6]) and d.num_kv_tokens == 100
+    short = MockEngine(model_dir, EngineConfig(prefill_only=True), FAST)
+    short.add_request("s", prompt(8, 10), SamplingParams(max_tokens=1))
+    assert short.step()[0].kv_blocks is None
+
+
 # --- a mock mesh ---------------------------------------------------------------------------
 MESH_COST = "0.004,2e-5,1e-9,1e-7"
 MOCK_ARGS = ["--engine", "mock", "--mock-cost", MESH_COST, "--heartbeat-s", "0.5"]
@@ -264,7 +280,7 @@ def test_mock_workers_report_their_engine_cost_model_and_work(mock_mesh):
 
 
 # --- trace replay ---------------------------------------------------------------------------
-def conversation_trace(n_conv: int = 6, turns: int = 4) -> list[dict]:
+def conversation_trace(n_conv: int = 5, turns: int = 4) -> list[dict]:
     """Multi-turn conversations sharing a 4-block system prompt: turn k extends turn k-1."""
     rows, next_id = [], 100
     convs = [[0, 1, 2, 3] for _ in range(n_conv)]
@@ -272,8 +288,10 @@ def conversation_trace(n_conv: int = 6, turns: int = 4) -> list[dict]:
         for c in range(n_conv):
             convs[c] = convs[c] + [next_id, next_id + 1]
             next_id += 2
+            # odd conversations ask for 2 tokens (1 once scaled): they end at prefill, whose
+            # blocks must reach the storage tier all the same
             rows.append({"timestamp": 2000 * k + 150 * c, "input_length": 512 * len(convs[c]) - 100,
-                         "output_length": 40, "hash_ids": list(convs[c])})
+                         "output_length": 40 if c % 2 == 0 else 2, "hash_ids": list(convs[c])})
     return rows
 
 
@@ -293,18 +311,19 @@ def test_trace_replay_through_a_mock_mesh_reaches_the_ideal_hit_rate_and_writes_
     args = p.parse_args(["--trace", str(trace), "--url", mock_mesh.gateway_url, "--nats-url", mock_mesh.nats_url,
                          "--time-scale", "1", "--output-scale", "0.25", "--out", str(tmp_path / "out")])
     s = replay.run(args)
-    assert s["requests"] == {"sent": 24, "completed": 24, "rejected_429": 0, "failed": 0}
+    assert s["requests"] == {"sent": 20, "completed": 20, "rejected_429": 0, "failed": 0}
     hit = s["hit_rate"]
     assert hit["ideal_engine"] > 0.5
-    assert abs(hit["measured"] - hit["ideal_engine"]) <= 0.05, hit
+    # turns 2 s apart leave no window for a miss: all but rounding (the issue allows 5 points at scale)
+    assert abs(hit["measured"] - hit["ideal_engine"]) <= 0.02, hit
     assert abs(hit["ideal_trace"] - ideal_hit_rate(conversation_trace())) < 1e-12
     d = s["ttft_s"]
     assert 0 < d["median"] <= d["p90"] <= d["p99"] and s["output_throughput"] > 0
     prefill = [w for w in s["workers"] if w["role"] == "prefill"]
-    assert len(prefill) == 2 and sum(w["finished"] for w in prefill) == 24
-    assert sum(w["finished"] for w in s["workers"] if w["role"] == "decode") == 24
+    assert len(prefill) == 2 and sum(w["finished"] for w in prefill) == 20
+    assert sum(w["finished"] for w in s["workers"] if w["role"] == "decode") == 12  # the others end at prefill
     saved = json.loads((tmp_path / "out" / "replay.json").read_text())
-    assert len(saved["requests"]) == 24 and saved["summary"]["hit_rate"] == hit
+    assert len(saved["requests"]) == 20 and saved["summary"]["hit_rate"] == hit
     png = (tmp_path / "out" / "ttft_over_time.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "hit rate (tokens)" in replay.format_table(s)

@@ -64,6 +64,16 @@ class LoadWatcher:
 
         await self._nc.subscribe(subjects.LOAD_ALL, cb=on_report)
 
+    async def kv_index_health(self) -> dict | None:
+        """The kvindex's ``KVIndexHealth`` as a dict (None: no answer in 5 s)."""
+        from deepinfer.protocol import KVIndexHealth, KVIndexHealthRequest, pack, subjects, unpack
+
+        try:
+            msg = await self._nc.request(subjects.KVINDEX_HEALTH, pack(KVIndexHealthRequest()), timeout=5)
+        except Exception:  # noqa: BLE001 - a report without it
+            return None
+        return asdict(unpack(msg.data, KVIndexHealth))
+
     async def stop(self) -> None:
         if self._nc is not None:
             await self._nc.drain()
@@ -73,6 +83,8 @@ class LoadWatcher:
         rows = []
         for wid in sorted(self.last):
             a, b = self.first[wid], self.last[wid]
+            if b.role not in ("prefill", "decode"):
+                continue
             rows.append({"worker": wid, "role": b.role, "finished": b.finished_requests - a.finished_requests,
                          "computed_tokens": b.computed_tokens - a.computed_tokens,
                          "hit_tokens": b.prefix_hit_tokens - a.prefix_hit_tokens,
@@ -155,6 +167,10 @@ def format_table(s: dict) -> str:
                          f"{w['busy_s']:>10.1f}{w['steps']:>8}")
         for role, b in s.get("balance", {}).items():
             lines.append(f"{role} balance: busiest worker {b['busy_max_over_mean']:.2f}x the mean busy time")
+    k = s.get("kv_index")
+    if k:
+        lines.append(f"kvindex: {k['num_blocks']} blocks, {k['events_applied']} events applied, {k['gaps']} gaps, "
+                     f"{k['lookup_timeouts']} lookups timed out (answered as misses)")
     return "\n".join(lines)
 
 
@@ -264,13 +280,15 @@ async def _run(args, url, nats_url, reqs, prompts, trace_ideal, say) -> dict:
             say(f"  {done}/{total} done")
 
     results, duration = await replay(url, model, reqs, prompts, args.traffic_class, args.timeout, progress)
-    workers = []
+    workers, kv_index = [], None
     if watcher:
         await asyncio.sleep(1.5)  # the reports after the last request
         workers = watcher.per_worker()
+        kv_index = await watcher.kv_index_health()
         await watcher.stop()
     summary = report(reqs, results, duration, trace_ideal, args.block_tokens, 16, workers, args.slo_ttft,
                      args.slo_tpot)
+    summary["kv_index"] = kv_index
     summary["args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     args.out.mkdir(parents=True, exist_ok=True)
     per_request = [{"arrival_s": q.arrival_s, "input_length": q.input_length, "output_length": q.output_length,

@@ -79,8 +79,11 @@ class StepOutput:
     """What one step produced for one request.
 
     new_token_ids: tokens sampled this step (empty for an abort).
-    kv_blocks: for ``"handoff"`` only: [n, layers, 2, block_size, kv_heads, head_dim]
-    covering the first ``num_kv_tokens`` tokens (the prompt), last block partial.
+    kv_blocks: from a prefill-only engine, when its request finishes:
+    [n, layers, 2, block_size, kv_heads, head_dim] covering the first
+    ``num_kv_tokens`` tokens (the prompt): for ``"handoff"`` all of them, last
+    block partial; when the first token already ended the request ("stop",
+    "length") only the whole blocks (to store for reuse; None if there are none).
     """
 
     request_id: str
@@ -399,10 +402,12 @@ class LLMEngine:
                 out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
                                  num_cached_tokens=seq.num_cached_tokens,
                                  logprobs=[logprobs[i]] if logprobs[i] is not None else None)
-                if id(seq) in finished and seq.finish_reason == "handoff":
+                if id(seq) in finished and seq.prefill_only:
                     out.num_kv_tokens = len(seq.token_ids) - 1
-                    n = -(-out.num_kv_tokens // self.config.block_size)
-                    out.kv_blocks = self.runner.read_blocks(seq, n)
+                    n = (-(-out.num_kv_tokens // self.config.block_size) if seq.finish_reason == "handoff"
+                         else out.num_kv_tokens // self.config.block_size)
+                    if n:
+                        out.kv_blocks = self.runner.read_blocks(seq, n)
                 outputs.append(out)
             if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
                 self.block_manager.free(seq)

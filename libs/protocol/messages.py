@@ -347,6 +347,8 @@ class KVIndexHealth:
     event ids seen, re-syncs from the storage tier done.
     hit_stats: traffic class -> {"lookups", "queried_tokens", "hit_tokens"}
     (counts since the index was created; see ``hit_rate``).
+    lookup_timeouts: lookups answered as a miss because Redis was slower than the
+    kvindex's ``lookup_timeout_s`` (since start).
     """
 
     worker_id: str
@@ -358,6 +360,7 @@ class KVIndexHealth:
     gaps: int = 0
     replays: int = 0
     hit_stats: dict[str, dict] = field(default_factory=dict)
+    lookup_timeouts: int = 0
 
     def hit_rate(self, traffic_class: str) -> float:
         """Cached prompt tokens / prompt tokens looked up for ``traffic_class`` (0 when none)."""

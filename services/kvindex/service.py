@@ -130,7 +130,8 @@ class KVIndexService(Service):
 
     async def on_health(self, _req: KVIndexHealthRequest) -> KVIndexHealth:
         h = KVIndexHealth(worker_id=self.worker_id, redis_ok=self.redis_ok, capacity_bytes=self.config.capacity_bytes,
-                          events_applied=self.events_applied, gaps=self.gaps, replays=self.replays)
+                          events_applied=self.events_applied, gaps=self.gaps, replays=self.replays,
+                          lookup_timeouts=self.lookup_timeouts)
         if self.redis_ok:
             try:
                 h.num_blocks, h.total_bytes, h.hit_stats = await asyncio.wait_for(asyncio.gather(

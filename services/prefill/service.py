@@ -14,7 +14,8 @@ Lifecycle of a request in this service:
      the first token (finish reason ``handoff``, or ``stop``/``length`` when
      the first token already ends it).
   3. The first token is published on the request's stream subject at once (TTFT).
-  4. The prompt's KV blocks are written to the storage tier: full blocks under
+  4. The prompt's KV blocks are written to the storage tier (also when the first
+     token already ended the request: then its full blocks only): full blocks under
      their prefix hash (skipped when already there; announced to the kvindex
      as stored), the partial last block under an ephemeral key. A write that
      fails (storage full, read-only) is skipped: the blocks are then handed
@@ -188,14 +189,15 @@ class PrefillService(EngineWorker):
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
             await self.mesh.publish(req.stream_subject, chunk)
+            if out.kv_blocks is not None:  # ended at its first token: its prompt is still worth reusing
+                try:
+                    await self.store_and_announce(req, out)
+                except Exception as e:  # the tier is an optimisation
+                    log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
             return
         await self.mesh.publish(req.stream_subject, chunk)
         try:
-            keys, stored = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
-            if stored:
-                block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
-                self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes,
-                                                     self.engine.config.block_size))
+            keys = await self.store_and_announce(req, out)
             if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
                 return
@@ -230,6 +232,15 @@ class PrefillService(EngineWorker):
                 why = f"{type(e).__name__}: {e}"
             log.info("decode_target_fallback", request_id=req.request_id, worker=req.decode_worker, reason=why)
         return await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
+
+    async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> list[str]:
+        """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
+        (in the background); returns the keys of all blocks in order."""
+        keys, stored = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
+        if stored:
+            block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
+            self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes, self.engine.config.block_size))
+        return keys
 
     def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """Write the prompt's KV blocks (runs on the I/O pool). Returns (keys of all blocks
