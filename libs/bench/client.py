@@ -43,8 +43,11 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
                 if "error" in chunk:
                     res.error = str(chunk["error"].get("message", chunk["error"]))[:300]
                     break
-                if any(c.get("text") for c in chunk.get("choices") or ()):
+                choices = chunk.get("choices") or ()
+                if any(c.get("text") for c in choices):
                     res.token_times.append(now)
+                elif not res.token_times and any(c.get("finish_reason") for c in choices):
+                    res.token_times.append(now)  # the only token(s) decoded to no text (a partial character)
                 usage = chunk.get("usage")
                 if usage:
                     res.prompt_tokens = usage.get("prompt_tokens", 0)
