@@ -100,7 +100,9 @@ async def replay(url: str, model: str, reqs: list[TraceRequest], prompts: list[l
     the run's duration in seconds (first send -> last reply)."""
     endpoint = url.rstrip("/") + "/v1/completions"
     extra = {"traffic_class": traffic_class} if traffic_class else None
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # NOTE: idle connections expire well before a server's keep-alive timeout (uvicorn's default 5 s):
+    # reusing one the server closes that instant fails the request
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
     done = 0
 
     async def one(i: int) -> RequestResult:
@@ -174,7 +176,7 @@ def format_table(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_ttft(reqs: list[TraceRequest], results: list[RequestResult], path: Path, slo_ttft_s: float) -> None:
+def plot_ttft(results: list[RequestResult], path: Path, slo_ttft_s: float) -> None:
     """PNG: TTFT of every completed request against its arrival time, with a rolling p90."""
     import matplotlib
 
@@ -190,12 +192,13 @@ def plot_ttft(reqs: list[TraceRequest], results: list[RequestResult], path: Path
         roll = [percentile(list(ys[max(0, i - window):i + window + 1]), 90) for i in range(len(ys))]
         ax.plot(xs, roll, color="C3", lw=1.5, label=f"rolling p90 (±{window} requests)")
     ax.axhline(slo_ttft_s, color="gray", ls="--", lw=1, label=f"TTFT SLO {slo_ttft_s} s")
+    ax.set_yscale("log")
     rejected = [r.sent for r in results if r.status == 429]
-    if rejected:
-        ax.scatter(rejected, [0] * len(rejected), marker="x", color="k", s=10, label="429")
+    if rejected:  # along the bottom edge
+        ax.scatter(rejected, [0.02] * len(rejected), marker="x", color="k", s=10,
+                   transform=ax.get_xaxis_transform(), label="429 (rejected)")
     ax.set_xlabel("arrival (s since start)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylabel("TTFT (s, log scale)")
     ax.set_title(f"Trace replay: TTFT over time ({len(pts)} requests)")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
@@ -295,7 +298,7 @@ async def _run(args, url, nats_url, reqs, prompts, trace_ideal, say) -> dict:
                     **{k: v for k, v in asdict(r).items() if k != "token_times"},
                     "ttft_s": r.ttft if r.ok else None} for q, r in zip(reqs, results)]
     (args.out / "replay.json").write_text(json.dumps({"summary": summary, "requests": per_request}, indent=1))
-    plot_ttft(reqs, results, args.out / "ttft_over_time.png", args.slo_ttft)
+    plot_ttft(results, args.out / "ttft_over_time.png", args.slo_ttft)
     print(format_table(summary))
     say(f"wrote {args.out / 'replay.json'} and {args.out / 'ttft_over_time.png'}")
     return summary

@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=10,
+            # NOTE: longer than the clients' idle-connection expiry (httpx, so the openai and
+            # anthropic clients: 5 s, uvicorn's default too): with equal timeouts a client
+            # reuses a connection the server is closing that instant and its POST fails
+            timeout_keep_alive=75,
         )
     )
     # NOTE: uvicorn re-raises a caught SIGTERM/SIGINT after its graceful shutdown,
