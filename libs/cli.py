@@ -19,7 +19,7 @@ import time
 
 SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
 # Services whose module does not exist yet, and the issue that adds it.
-PLANNED = {"vision": 11, "balancer": 7}
+PLANNED = {"vision": 11}
 
 
 def _say(msg: str) -> None:

@@ -32,7 +32,9 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-DEFAULT_SERVICES = ("tokenizer", "kvindex", "prefill", "decode", "gateway")
+# NOTE: the balancer (issue #7) idles unless MoE workers report expert load; it starts before
+# the workers so their first reports reach it.
+DEFAULT_SERVICES = ("tokenizer", "kvindex", "balancer", "prefill", "decode", "gateway")
 
 
 class LauncherError(RuntimeError):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from deepinfer.balancer.eplb import (balanced_packing, check_topology, imbalance, rank_loads, rebalance_experts,
-                                     replicate)
+from deepinfer.balancer.eplb import (balanced_packing, check_topology, imbalance, keep_slots, rank_loads,
+                                     rebalance_experts, replicate)
 from deepinfer.models.expert_placement import ExpertPlacement, log2phy_from_phy2log
 
 # 2 layers x 16 experts: skewed, a zero-load expert, two very hot experts in layer 1
@@ -163,3 +163,32 @@ def test_a_placement_whose_tensors_disagree_is_refused():
     wire = good.to_lists()
     again = ExpertPlacement.from_lists(wire["phy2log"], wire["log2phy"], wire["logcnt"], 2, 7)
     assert torch.equal(again.log2phy, good.log2phy) and again.version == 7
+
+
+def rank_multisets(phy2log, num_ranks):
+    return [sorted(sorted(r) for r in row.view(num_ranks, -1).tolist()) for row in phy2log]
+
+
+def test_keep_slots_renumbers_a_placement_to_move_as_few_weights_as_possible():
+    g = torch.Generator().manual_seed(0)
+    current, _, _ = rebalance_experts(zipf_loads(4, 16, seed=1), 24, num_ranks=4)
+    # the same placement with its ranks and each rank's slots shuffled: nothing needs to move
+    shuffled = torch.stack([row.view(4, 6)[torch.randperm(4, generator=g)][:, torch.randperm(6, generator=g)]
+                            .flatten() for row in current])
+    assert (shuffled != current).sum() > 40
+    assert torch.equal(keep_slots(shuffled, current, 4), current)
+    # another placement: the same experts per rank (so the same loads), fewer slots change
+    candidate, _, _ = rebalance_experts(zipf_loads(4, 16, seed=2), 24, num_ranks=4)
+    kept = keep_slots(candidate, current, 4)
+    assert rank_multisets(kept, 4) == rank_multisets(candidate, 4)
+    assert (kept != current).sum() < (candidate != current).sum()
+    assert_valid(kept, *log2phy_from_phy2log(kept, 16, 9), 16, 24, 4)
+
+
+def test_keep_slots_permutes_ranks_only_within_their_node():
+    current, _, _ = rebalance_experts(zipf_loads(3, 32, seed=4), 48, num_groups=4, num_nodes=2, num_ranks=8)
+    candidate, _, _ = rebalance_experts(zipf_loads(3, 32, seed=5), 48, num_groups=4, num_nodes=2, num_ranks=8)
+    kept = keep_slots(candidate, current, 8, num_nodes=2)
+    for half in (slice(0, 24), slice(24, 48)):  # each node keeps its experts
+        assert torch.equal(kept[:, half].sort(1).values, candidate[:, half].sort(1).values)
+    assert (kept != current).sum() <= (candidate != current).sum()

@@ -36,6 +36,7 @@ from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.layers import Linear
 from deepinfer.models.loader import DTYPES, load_model
+from deepinfer.models.moe import MoEBlock
 from deepinfer.protocol import SamplingParams
 
 
@@ -123,10 +124,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model, self.model_config = load_model(model_dir, config.dtype)
         for module in self.model.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, MoEBlock)):
                 module.batch_invariant = config.batch_invariant
-                if config.packed_weights:
-                    module.pack()
+            if isinstance(module, Linear) and config.packed_weights:
+                module.pack()
         dtype = DTYPES[config.dtype]
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -289,6 +290,15 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def between_steps(self, fn, *args):
+        """``fn(*args)`` where no forward pass runs: at once in synchronous mode, else on the
+        forward thread after the step in flight (its result or exception). Call it from the
+        thread that steps the engine (``AsyncEngine.call``), so no step starts meanwhile; used
+        to read and reset counters and to change weights (``models.moe`` placements)."""
+        if self._pool is None:
+            return fn(*args)
+        return self._pool.submit(fn, *args).result()
 
     # --- the step ------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -4,8 +4,9 @@ It owns what both workers share: the engine (``LLMEngine``, or ``MockEngine``
 with ``--engine mock``) and its thread, the storage-tier
 ``BlockStore`` (rooted at the engine's model fingerprint, so both sides agree
 on block names), the I/O thread pool, load reports (every ``--heartbeat-s``:
-queue, KV use, queued prefill compute, cost model, prefix hits), and draining (wait for
-in-flight requests, bounded). Subclasses subscribe their handlers in
+queue, KV use, queued prefill compute, cost model, prefix hits), draining (wait for
+in-flight requests, bounded) and, for MoE models, the link to the balancer
+(``engine.experts``: expert load reports out, placements in). Subclasses subscribe their handlers in
 ``setup()`` and turn engine outputs into messages in ``on_outputs()``.
 """
 
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deepinfer.engine.args import add_engine_args, engine_config, mock_config
 from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.experts import ExpertLink, add_expert_args, is_moe, model_id
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
 from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.kvstore import BlockStore
@@ -30,9 +32,12 @@ class EngineWorker(Service):
     drain_timeout_s = 30.0
 
     def __init__(self, nats_url: str, model_dir: str, engine_cfg: EngineConfig, kv_root: str,
-                 worker_id: str | None = None, mock: MockConfig | None = None, heartbeat_s: float = 1.0):
+                 worker_id: str | None = None, mock: MockConfig | None = None, heartbeat_s: float = 1.0,
+                 expert_stats_s: float = 5.0, ep_ranks: int = 1):
         super().__init__(nats_url, worker_id, heartbeat_s)
         self.engine = LLMEngine(model_dir, engine_cfg) if mock is None else MockEngine(model_dir, engine_cfg, mock)
+        self.experts = (ExpertLink(self.engine, model_id(model_dir), self.worker_id, self.role, expert_stats_s,
+                                   ep_ranks) if is_moe(self.engine) else None)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
         self.requests: dict = {}  # request_id -> the request message, while it is in the engine
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
@@ -41,6 +46,11 @@ class EngineWorker(Service):
     def start_engine(self) -> None:
         self.async_engine = AsyncEngine(self.engine, self.on_outputs)
         self.async_engine.start()
+
+    async def start(self) -> None:
+        await super().start()
+        if self.experts is not None:
+            await self.experts.start(self.mesh, self.async_engine)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         raise NotImplementedError
@@ -71,6 +81,8 @@ class EngineWorker(Service):
             await asyncio.sleep(0.1)
 
     async def teardown(self) -> None:
+        if self.experts is not None:
+            await self.experts.stop()
         if self.async_engine is not None:
             self.async_engine.stop()
         self.io.shutdown(wait=False)
@@ -80,7 +92,9 @@ class EngineWorker(Service):
         """Parse the common worker options and run the service until SIGINT/SIGTERM."""
         p = service_parser(cls.role, description)
         add_engine_args(p)
+        add_expert_args(p)
         args = p.parse_args(argv)
         svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
-                  args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s)
+                  args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s,
+                  expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks)
         run_service(svc, args.log_level)

@@ -29,6 +29,9 @@ from deepinfer.models.layers import Attention, DecoderLayer, layer_window
 from deepinfer.models.moe import MoECounters, MoEBlock
 
 
+FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")  # per-expert tensors, [E, ...]
+
+
 class GptOssExperts(nn.Module):
     """The experts' fused weights under HF's names (a container; ``GptOssMLP.expert`` computes)."""
 
@@ -55,13 +58,26 @@ class GptOssMLP(MoEBlock):
         top, experts = torch.topk(self.router(x), self.top_k, dim=-1)
         return F.softmax(top, dim=1, dtype=top.dtype), experts
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         w = self.experts
-        gate_up = x @ w.gate_up_proj[e] + w.gate_up_proj_bias[e]
+        gate_up = x @ w.gate_up_proj[slot] + w.gate_up_proj_bias[slot]
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ w.down_proj[e] + w.down_proj_bias[e]
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ w.down_proj[slot] + w.down_proj_bias[slot]
+
+    # --- slot storage: row N of the fused tensors is slot N ---
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        return [getattr(self.experts, name)[slot] for name in FUSED]
+
+    def resize_slots(self, num_slots: int) -> None:
+        """Keep the first ``num_slots`` rows of each fused tensor; new rows are uninitialised."""
+        for name in FUSED:
+            old = getattr(self.experts, name)
+            new = old.new_empty((num_slots, *old.shape[1:]))
+            k = min(num_slots, old.shape[0])
+            new[:k] = old[:k]
+            setattr(self.experts, name, nn.Parameter(new, requires_grad=False))
 
 
 class GptOssForCausalLM(MoECounters, CausalLM):

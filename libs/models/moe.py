@@ -19,9 +19,35 @@ stably sorted by expert id, each expert runs once on its contiguous slice of
 tokens, and weighted outputs are scatter-added back (``index_add_``) in
 expert order, the same summation order as transformers.
 
-``expert_counts`` [E] int64 accumulates, per layer, how many (token, expert)
-pairs were routed to each expert since the last ``reset_expert_counts()``
-(every forward: prefill, decode and recomputation after preemption).
+Expert parallelism (EP; deepseek-ai/EPLB, TECHNIQUES §7): the experts' weights
+live in physical *slots* (``R`` of them: every logical expert once, plus
+replicas of popular ones), and EP rank ``p`` owns slots ``[p*R/P, (p+1)*R/P)``
+(``expert_placement``). Here the ranks are partitions of one process's slots: the
+accounting per rank is real, the parallelism simulated. Each (token, expert)
+pair goes to one replica of its expert, round-robin over the tokens routed to
+that expert (a cursor per expert carries over between steps, so one-token
+decode steps rotate too)::
+
+    sorted pair j of expert e -> replica (cursor[e] + j - first[e]) % logcnt[e]
+                              -> slot log2phy[e, replica] -> that slot's weights
+
+Each slot runs once on its pairs (rank by rank, slot by slot), and the weighted
+outputs are added back in *logical* expert order, as above: a placement never
+changes what a token receives, nor the summation order, only which copy of the
+weights computes it and with how many other rows. In batch-invariant mode
+(``EngineConfig.batch_invariant``) a slot's rows are padded to 16, so logits are
+bit-identical under any placement; otherwise a placement changes GEMM row counts
+as batching does (CPU GEMMs of 1-11 rows take other kernels: ~1e-6 differences).
+
+Counters, per layer, since the last ``reset_expert_counts()`` (every forward:
+prefill, decode and recomputation after preemption): ``expert_counts`` [E]
+int64, (token, expert) pairs routed to each logical expert; ``rank_counts``
+[P] int64, pairs computed on each EP rank.
+
+A new placement is applied by ``apply_placement``: the slots whose expert
+changes get a copy of the weights from a slot that holds that expert now (the
+same rank's first if any), then the routing table (``phy2log``, ``log2phy``,
+``logcnt``) is swapped. Callers run it between forward passes.
 """
 
 from __future__ import annotations
@@ -30,49 +56,146 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.models.layers import GatedMLP
+from deepinfer.models.expert_placement import ExpertPlacement
+from deepinfer.models.layers import GatedMLP, Linear
 
 
 class MoEBlock(nn.Module):
-    """Base of the MoE MLPs: routed-token counters and the sorted-token dispatch.
+    """Base of the MoE MLPs: routed-token counters, the routing table and the sorted-token dispatch.
 
-    A subclass provides ``route(x) -> (weights [T, k], expert ids [T, k])`` and
-    ``expert(e, x [n, hidden]) -> [n, hidden]``.
+    A subclass provides ``route(x) -> (weights [T, k], expert ids [T, k])``,
+    ``expert(slot, x [n, hidden]) -> [n, hidden]`` and its slot storage:
+    ``slot_tensors(slot)`` (the tensors that hold one slot's weights, writable,
+    in a fixed order), ``resize_slots(n)`` and, if it caches derived weights,
+    ``slot_written(slot)``. At load, slot e holds logical expert e.
     """
+
+    batch_invariant = False  # set by the engine (``EngineConfig.batch_invariant``)
 
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_ranks = 1
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | str = "cpu") -> None:
-        self.register_buffer("expert_counts", torch.zeros(self.num_experts, dtype=torch.int64, device=device),
-                             persistent=False)
+        """Counters and the identity routing table (slot e = expert e, one EP rank)."""
+        e, i64 = self.num_experts, dict(dtype=torch.int64, device=device)
+        self.num_ranks = 1
+        for name, value in (("expert_counts", torch.zeros(e, **i64)), ("rank_counts", torch.zeros(1, **i64)),
+                            ("rr_cursor", torch.zeros(e, **i64)), ("phy2log", torch.arange(e, **i64)),
+                            ("log2phy", torch.arange(e, **i64)[:, None]), ("logcnt", torch.ones(e, **i64))):
+            self.register_buffer(name, value, persistent=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[0]
 
     def reset_expert_counts(self) -> None:
         with torch.inference_mode():  # NOTE: also valid if the buffer was made in inference mode
             self.expert_counts.zero_()
+            self.rank_counts.zero_()
+
+    # --- dispatch ----------------------------------------------------------------
+    def slots_of(self, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Physical slot of each pair: ``experts`` [n] sorted logical ids, ``counts`` [E] pairs per
+        expert. Round-robin over each expert's replicas; advances the cursors."""
+        first = counts.cumsum(0) - counts
+        j = torch.arange(experts.numel(), device=experts.device) - first[experts]
+        replica = (self.rr_cursor[experts] + j) % self.logcnt[experts]
+        self.rr_cursor.copy_((self.rr_cursor + counts) % self.logcnt)
+        return self.log2phy[experts, replica]
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(x), experts run in id order."""
+        """sum over each token's k experts of weight * expert(x): slots run rank by rank,
+        outputs summed in logical expert order."""
         flat = experts.flatten()  # [T * k], pair p is token p // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_counts += counts
         tokens = order // self.top_k
         pair_weights = weights.flatten()[order]
+        slots = self.slots_of(flat[order], counts)
+        slot_counts = torch.bincount(slots, minlength=self.num_slots)
+        self.rank_counts += slot_counts.view(self.num_ranks, -1).sum(1)
+        by_slot = torch.argsort(slots, stable=True)  # rank-major: slots of rank 0 first
+        y = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device)  # per sorted pair
+        start = 0
+        for slot, n in enumerate(slot_counts.tolist()):
+            if n:
+                pos = by_slot[start:start + n]
+                rows = x[tokens[pos]]
+                if self.batch_invariant and n < Linear.INVARIANT_MIN_ROWS:
+                    # NOTE: GEMMs of a few rows take other kernels (other bits); padded, a row's
+                    # result does not depend on how many rows share its slot (the placement)
+                    rows = F.pad(rows, (0, 0, 0, Linear.INVARIANT_MIN_ROWS - n))
+                y[pos] = (self.expert(slot, rows)[:n] * pair_weights[pos, None]).to(y.dtype)
+                start += n
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts.tolist()):
+        for n in counts.tolist():  # logical expert order: transformers' summation order
             if n:
-                idx = tokens[start:start + n]
-                y = self.expert(e, x[idx]) * pair_weights[start:start + n, None]
-                out.index_add_(0, idx, y.to(out.dtype))
+                out.index_add_(0, tokens[start:start + n], y[start:start + n])
                 start += n
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dispatch(x, *self.route(x))
+
+    # --- placement ---------------------------------------------------------------
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def resize_slots(self, num_slots: int) -> None:
+        raise NotImplementedError
+
+    def slot_written(self, slot: int) -> None:
+        """Called after a slot's tensors were overwritten (rebuild what is derived from them)."""
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's weights."""
+        return sum(t.numel() * t.element_size() for t in self.slot_tensors(0))
+
+    @torch.no_grad()
+    def apply_placement(self, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
+                        num_ranks: int) -> int:
+        """Make this layer's slots hold ``phy2log`` [R]: copy weights into the slots whose expert
+        changes (from a slot holding that expert now, the same EP rank's first), then swap the
+        routing table (``log2phy`` [E, M], ``logcnt`` [E], int64) and reset ``rank_counts`` to
+        ``num_ranks`` zeros. Returns the number of slots copied. Not thread-safe: run it
+        between forward passes. The tensors are trusted (``ExpertPlacement`` checks them).
+        """
+        old, new = self.phy2log.tolist(), [int(e) for e in phy2log.tolist()]
+        old_per_rank, new_per_rank = len(old) // self.num_ranks, len(new) // num_ranks
+        holders: dict[int, list[int]] = {}
+        for slot, e in enumerate(old):
+            holders.setdefault(e, []).append(slot)
+        sources = {}  # slot to overwrite -> slot to copy from (old numbering)
+        for slot, e in enumerate(new):
+            if slot < len(old) and old[slot] == e:
+                continue
+            same_rank = [s for s in holders[e] if s // old_per_rank == slot // new_per_rank]
+            sources[slot] = (same_rank or holders[e])[0]
+        # NOTE: a source that is itself overwritten (or dropped) is read before any write
+        lost = set(sources) | set(range(len(new), len(old)))
+        staged = {s: [t.clone() for t in self.slot_tensors(s)] for s in set(sources.values()) & lost}
+        if len(new) > len(old):
+            self.resize_slots(len(new))
+        for slot, src in sorted(sources.items()):
+            for dst, t in zip(self.slot_tensors(slot), staged[src] if src in staged else self.slot_tensors(src)):
+                dst.copy_(t)
+            self.slot_written(slot)
+        if len(new) < len(old):
+            self.resize_slots(len(new))
+        device = self.expert_counts.device
+        self.phy2log = torch.tensor(new, dtype=torch.int64, device=device)
+        self.log2phy = log2phy.to(device=device, dtype=torch.int64).clone()
+        self.logcnt = logcnt.to(device=device, dtype=torch.int64).clone()
+        self.num_ranks = num_ranks
+        # NOTE: new tensors, not in-place writes: the old ones may be inference tensors
+        self.rank_counts = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        self.rr_cursor = torch.zeros_like(self.logcnt)
+        return len(sources)
 
 
 class SparseMoeBlock(MoEBlock):
@@ -103,8 +226,8 @@ class SparseMoeBlock(MoEBlock):
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), experts
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return self.experts[e](x)
+    def expert(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[slot](x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.dispatch(x, *self.route(x))
@@ -112,9 +235,49 @@ class SparseMoeBlock(MoEBlock):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
+    # --- slot storage: ``experts.N`` is slot N (expert N until a placement moves it) ---
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        return list(self.experts[slot].parameters())
+
+    def resize_slots(self, num_slots: int) -> None:
+        """Keep the first ``num_slots`` slots; new ones are uninitialised (written next)."""
+        slots = list(self.experts[:num_slots])
+        template = self.experts[0]
+        w = template.gate_proj.weight
+        while len(slots) < num_slots:
+            with torch.device("meta"):
+                m = GatedMLP(w.shape[1], w.shape[0], bias=template.gate_proj.bias is not None)
+            m = m.to_empty(device=w.device).to(w.dtype).requires_grad_(False)
+            m.act = template.act
+            for a, b in zip(m.modules(), template.modules()):
+                if isinstance(a, Linear):
+                    a.batch_invariant = b.batch_invariant
+            slots.append(m)
+        self.experts = nn.ModuleList(slots)
+
+    def _packed(self) -> bool:
+        return self.experts[0].gate_proj.packed is not None
+
+    def slot_written(self, slot: int) -> None:
+        """Re-pack the slot's GEMM weights when the layer runs packed (``layers.Linear``)."""
+        if self._packed():
+            for m in self.experts[slot].modules():
+                if isinstance(m, Linear):
+                    m.pack()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot: its weights, twice when packed (``Linear.pack`` keeps a copy; MKL's
+        opaque packed buffer does not expose its size, so it is counted at the weight's)."""
+        return super().slot_bytes() * (2 if self._packed() else 1)
+
 
 class MoECounters:
-    """Mixin for MoE models: the balancer reads ``expert_counts()`` and calls ``reset_expert_counts()``."""
+    """Mixin for MoE models: the worker reads and resets the counters, and applies placements.
+
+    Every method covers the MoE layers in model order (``L`` of them; dense layers skipped).
+    """
+
+    expert_placement_version = 0
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
@@ -123,6 +286,46 @@ class MoECounters:
         """[num_moe_layers, num_experts] int64: (token, expert) pairs routed since the last reset."""
         return torch.stack([b.expert_counts for b in self.moe_blocks()])
 
+    def rank_counts(self) -> torch.Tensor:
+        """[num_moe_layers, num_ranks] int64: (token, expert) pairs computed per EP rank since the last reset."""
+        return torch.stack([b.rank_counts for b in self.moe_blocks()])
+
     def reset_expert_counts(self) -> None:
         for b in self.moe_blocks():
             b.reset_expert_counts()
+
+    def take_expert_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert_counts, rank_counts) copies, then reset. Call between forward passes, or counts are lost."""
+        counts = self.expert_counts().clone(), self.rank_counts().clone()
+        self.reset_expert_counts()
+        return counts
+
+    def expert_placement(self) -> ExpertPlacement:
+        """The placement the MoE layers run now."""
+        blocks = self.moe_blocks()
+        return ExpertPlacement(torch.stack([b.phy2log for b in blocks]), torch.stack([b.log2phy for b in blocks]),
+                               torch.stack([b.logcnt for b in blocks]), blocks[0].num_ranks,
+                               self.expert_placement_version)
+
+    def apply_expert_placement(self, placement: ExpertPlacement) -> int:
+        """Copy replica weights into their slots, then swap each layer's routing table (see
+        ``MoEBlock.apply_placement``; counters are reset: take them first). Returns the number
+        of slots copied. Raises ValueError when the placement's layers or experts do not match
+        the model. Not thread-safe: run it between forward passes.
+        """
+        blocks = self.moe_blocks()
+        if (placement.num_layers, placement.num_experts) != (len(blocks), blocks[0].num_experts):
+            raise ValueError(f"placement for {placement.num_layers} MoE layers x {placement.num_experts} experts; "
+                             f"the model has {len(blocks)} x {blocks[0].num_experts}")
+        copied = sum(b.apply_placement(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i],
+                                       placement.num_ranks) for i, b in enumerate(blocks))
+        self.reset_expert_counts()
+        self.expert_placement_version = placement.version
+        return copied
+
+    def expert_memory(self) -> tuple[int, int]:
+        """(bytes of the logical experts' weights, extra bytes of the replicas), over all MoE layers:
+        ``E * slot_bytes`` and ``(R - E) * slot_bytes`` per layer."""
+        blocks = self.moe_blocks()
+        return (sum(b.num_experts * b.slot_bytes() for b in blocks),
+                sum((b.num_slots - b.num_experts) * b.slot_bytes() for b in blocks))

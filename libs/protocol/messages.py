@@ -369,6 +369,73 @@ class KVIndexHealth:
         return s.get("hit_tokens", 0) / q if q else 0.0
 
 
+@message
+class ExpertStats:
+    """MoE worker -> balancer (``deepinfer.experts.stats``): tokens routed since its last report.
+
+    model: the balance domain, the weights' fingerprint (workers of one model share placements).
+    counts: [L][E] (token, expert) pairs routed per MoE layer and logical expert in the window.
+    rank_counts: [L][P] pairs computed per EP rank (P = ``num_ranks``), under the placement
+    ``placement_version`` with ``num_slots`` slots. window_s: seconds the window covers.
+    expert_bytes / replica_bytes: the worker's bytes of logical expert weights and the extra
+    bytes its replicas cost (over all MoE layers).
+    """
+
+    model: str
+    worker_id: str
+    role: str
+    counts: list[list[int]]
+    rank_counts: list[list[int]]
+    num_ranks: int
+    num_slots: int
+    placement_version: int = 0
+    window_s: float = 0.0
+    expert_bytes: int = 0
+    replica_bytes: int = 0
+
+
+@message
+class ExpertPlacementUpdate:
+    """balancer -> MoE workers (``deepinfer.experts.placement``, latest kept in the KV bucket).
+
+    phy2log [L][R], log2phy [L][E][M] (-1 padded), logcnt [L][E]: the placement
+    (``deepinfer.models.expert_placement``); rank p holds slots [p*R/P, (p+1)*R/P), P = num_ranks.
+    version: increases by one per placement of a model; workers apply only a newer one.
+    num_nodes / num_groups / policy ("hierarchical" or "global"): how it was computed.
+    imbalance_before / imbalance_after: predicted max/mean tokens per EP rank (mean over
+    layers) of the previous placement and of this one, on the balancer's moving average.
+    """
+
+    model: str
+    version: int
+    phy2log: list[list[int]]
+    log2phy: list[list[list[int]]]
+    logcnt: list[list[int]]
+    num_ranks: int
+    num_nodes: int = 1
+    num_groups: int = 1
+    policy: str = "global"
+    imbalance_before: float = 0.0
+    imbalance_after: float = 0.0
+
+
+@message
+class BalancerStatusRequest:
+    """anyone -> balancer: report your state (``BalancerStatus``)."""
+
+
+@message
+class BalancerStatus:
+    """balancer -> anyone. models: one map per model seen: ``model``, ``version`` (current
+    placement, 0 = none published), ``workers`` (ids reporting), ``measured_imbalance`` (max/mean
+    tokens per EP rank of the last window under the current placement, mean over layers; 0 =
+    no data), ``predicted_imbalance`` (of the current placement on the moving average),
+    ``rebalances``, ``replica_bytes`` (largest reported by a worker)."""
+
+    worker_id: str
+    models: list[dict] = field(default_factory=list)
+
+
 def _to_dict(msg) -> dict[str, Any]:
     d = dataclasses.asdict(msg)
     for name in getattr(type(msg), "NESTED", {}):

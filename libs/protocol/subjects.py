@@ -5,7 +5,8 @@ group (any replica answers), ``deepinfer.<service>.<worker_id>.<verb>`` for a
 message to one chosen worker, ``deepinfer.stream.<request_id>`` for a
 request's token stream back to the gateway, ``deepinfer.load.<role>.<worker_id>``
 for heartbeats / load reports, ``deepinfer.kv.events.<worker_id>`` for KV
-events (captured by the JetStream stream ``KV_EVENTS_STREAM``).
+events (captured by the JetStream stream ``KV_EVENTS_STREAM``),
+``deepinfer.experts.{stats,placement}`` for expert load balancing.
 """
 
 PREFIX = "deepinfer"
@@ -34,6 +35,15 @@ PREFILL_ABORT_ANY = f"{PREFIX}.prefill.abort"
 
 # Heartbeats / load reports of every worker: deepinfer.load.<role>.<worker_id>
 LOAD_ALL = f"{PREFIX}.load.>"
+
+# Expert load balancing (issue #7). MoE workers -> balancer: ExpertStats (plain subscription:
+# run one balancer). Balancer -> every MoE worker: ExpertPlacementUpdate, the latest one per
+# model also kept in the JetStream KV bucket EXPERTS_BUCKET under placement_key(model), so a
+# worker that starts later (or missed a message) reads it there.
+EXPERTS_STATS = f"{PREFIX}.experts.stats"
+EXPERTS_PLACEMENT = f"{PREFIX}.experts.placement"
+EXPERTS_BUCKET = "DEEPINFER_EXPERTS"
+BALANCER_STATUS = f"{PREFIX}.balancer.status"  # BalancerStatusRequest -> BalancerStatus
 
 
 def load(role: str, worker_id: str) -> str:
@@ -64,3 +74,8 @@ def stream(request_id: str) -> str:
 def kv_events(worker_id: str) -> str:
     """Subject a worker publishes its ``KVEvent`` s on (captured by ``KV_EVENTS_STREAM``)."""
     return f"{PREFIX}.kv.events.{worker_id}"
+
+
+def placement_key(model: str) -> str:
+    """Key of a model's latest ``ExpertPlacementUpdate`` in ``EXPERTS_BUCKET``."""
+    return f"placement.{model}"

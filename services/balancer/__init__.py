@@ -1,1 +1,5 @@
-"""Balancer service: expert load statistics -> EPLB placement. Not built yet (issue #7)."""
+"""Balancer service: expert load statistics -> EPLB placements for MoE workers (issue #7).
+
+``eplb`` is the algorithm (deepseek-ai/EPLB), ``tracker`` the moving average and the
+rebalance triggers, ``service`` the NATS service.
+"""

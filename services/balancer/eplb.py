@@ -144,6 +144,49 @@ def rebalance_experts(weight: torch.Tensor, num_slots: int, num_groups: int = 1,
     return phy2log, log2phy, logcnt
 
 
+def keep_slots(phy2log: torch.Tensor, current: torch.Tensor, num_ranks: int, num_nodes: int = 1) -> torch.Tensor:
+    """Renumber the slots of ``phy2log [L, R]`` so that as many as possible hold the expert they hold
+    in ``current [L, R]`` (the same topology), i.e. fewer weight copies when it is applied.
+
+    No rank's experts (so no rank's load) and no node's experts change: ranks are permuted within
+    their node (greedily, the pair of ranks sharing the most experts first), then each rank's
+    experts are ordered so that those it holds now keep their slot. Not part of deepseek-ai/EPLB
+    (which places from scratch each time). Returns a new int64 tensor; raises ValueError if the
+    shapes differ or R is not divisible by ``num_ranks``, ``num_ranks`` by ``num_nodes``.
+    """
+    if phy2log.shape != current.shape or phy2log.shape[1] % num_ranks or num_ranks % num_nodes:
+        raise ValueError(f"cannot align {tuple(phy2log.shape)} to {tuple(current.shape)} over "
+                         f"{num_ranks} ranks, {num_nodes} nodes")
+    num_layers, num_slots = phy2log.shape
+    per_rank, per_node = num_slots // num_ranks, num_ranks // num_nodes
+    num_experts = int(max(phy2log.max(), current.max())) + 1
+
+    def held(ranks: torch.Tensor) -> torch.Tensor:  # [ranks, per_rank] -> replicas of each expert [ranks, E]
+        return torch.zeros(len(ranks), num_experts, dtype=torch.int64).scatter_add_(1, ranks, torch.ones_like(ranks))
+
+    out = torch.empty_like(phy2log)
+    for layer in range(num_layers):
+        new_ranks = phy2log[layer].view(num_ranks, per_rank)
+        old_ranks = current[layer].view(num_ranks, per_rank)
+        shared = torch.minimum(held(new_ranks)[:, None], held(old_ranks)[None]).sum(2)  # [new rank, old rank]
+        for node in range(num_nodes):
+            ranks = range(node * per_node, (node + 1) * per_node)
+            pairs = sorted(((-int(shared[a, b]), a, b) for a in ranks for b in ranks))
+            free_new, free_old = set(ranks), set(ranks)
+            for _, a, b in pairs:  # a's experts go to old rank b's slots
+                if a in free_new and b in free_old:
+                    free_new.discard(a)
+                    free_old.discard(b)
+                    experts, row = new_ranks[a].tolist(), []
+                    for e in old_ranks[b].tolist():  # an expert it holds now keeps its slot
+                        row.append(e if e in experts else None)
+                        if e in experts:
+                            experts.remove(e)
+                    row = [e if e is not None else experts.pop(0) for e in row]
+                    out[layer, b * per_rank:(b + 1) * per_rank] = torch.tensor(row)
+    return out
+
+
 def rank_loads(weight: torch.Tensor, phy2log: torch.Tensor, logcnt: torch.Tensor, num_ranks: int) -> torch.Tensor:
     """Predicted load per EP rank, [L, P] float64: each expert's ``weight [L, E]`` split evenly over
     its ``logcnt`` replicas, summed over the slots of each rank (``phy2log [L, R]``)."""

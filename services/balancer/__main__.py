@@ -1,0 +1,3 @@
+from deepinfer.balancer.service import main
+
+main()
