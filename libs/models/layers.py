@@ -29,11 +29,12 @@ class Linear(nn.Linear):
     prefill-sized M, so rows above ``PACKED_MAX_ROWS`` use ``F.linear``. The
     packed layout does not depend on M. Costs one extra copy of the weight.
 
-    Batch invariance: packed GEMM gives each row the same bits for any M;
-    ``F.linear`` gives other bits for M < 16 and, for some shapes, for
-    M = 129-192 too. So in batch-invariant mode (set per module by the engine)
-    a packed layer always runs packed, and an unpacked one pads to 16 rows: a
-    row's result then never depends on how many other rows share the step.
+    Batch invariance: packed GEMM gives each row the same bits for any M >= 4
+    (1-3 rows take another kernel on some CPUs); ``F.linear`` gives other bits
+    for M < 16 and, for some shapes, for M = 129-192 too. So in batch-invariant
+    mode (set per module by the engine) a packed layer always runs packed, and
+    both pad to 16 rows: a row's result then never depends on how many other
+    rows share the step.
     """
 
     PACKED_MAX_ROWS = 128
@@ -53,7 +54,9 @@ class Linear(nn.Linear):
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         m = x.shape[0]
-        if self.batch_invariant and self.packed is None and m < self.INVARIANT_MIN_ROWS:
+        # NOTE: padded on the packed path too: MKL runs 1-3 rows through another kernel, whose
+        # bits differ (seen on one AMD EPYC host, not on another)
+        if self.batch_invariant and m < self.INVARIANT_MIN_ROWS:
             return self.forward(F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m)))[:m]
         # NOTE: above PACKED_MAX_ROWS plain linear is faster but, for some shapes (M = 129-192
         # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
