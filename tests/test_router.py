@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from deepinfer.bench.metrics import percentile
 from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
 from deepinfer.gateway.dispatch import submit_prefill
 from deepinfer.gateway.registry import WorkerRegistry
@@ -527,55 +528,31 @@ def skewed_load(seed: int = 6, n: int = 64, seconds: float = 6.4, huge: int = 6)
 
 
 async def replay(url: str, load: list[tuple[float, int]], salt: str, seed: int = 0, max_tokens: int = 2,
-                 timeout_s: float = 60.0) -> list[dict]:
-    """Send each request of ``load`` at its time (streaming /v1/completions with token ids, under
-    ``cache_salt`` ``salt``, so one run's stored prefixes never serve another's); per request:
-    status, TTFT (s, to the first token's SSE event), Retry-After, whether it completed."""
+                 timeout_s: float = 60.0) -> list:
+    """Send each request of ``load`` at its time (``bench.client.stream_completion``: streaming
+    /v1/completions with token ids, under ``cache_salt`` ``salt``, so one run's stored prefixes never
+    serve another's); a ``bench.metrics.RequestResult`` per request."""
     import asyncio
     import random
     import time
 
     import httpx
 
+    from deepinfer.bench.client import stream_completion
+
     rng = random.Random(seed)
     prompts = [[rng.randint(*VOCAB_IDS) for _ in range(n)] for _, n in load]
-    results: list[dict] = [{} for _ in load]
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        await client.get(url + "/health")
+        clock0 = time.perf_counter() + 0.2
 
-    async def one(i: int, client: httpx.AsyncClient, t0: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + load[i][0] - time.monotonic()))
-        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompts[i], "max_tokens": max_tokens, "stream": True,
-                "temperature": 0, "cache_salt": salt}
-        start = time.monotonic()
-        out = results[i]
-        out.update(tokens=load[i][1], status=None, ttft=None, done=False)
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                out["status"] = r.status_code
-                if r.status_code != 200:
-                    out["retry_after"] = r.headers.get("retry-after")
-                    out["body"] = json.loads(await r.aread())
-                    return
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and out["ttft"] is None and '"choices"' in line:
-                        out["ttft"] = time.monotonic() - start
-                    if line == "data: [DONE]":
-                        out["done"] = True
-                    if '"error"' in line:
-                        out["error"] = line
-        except httpx.HTTPError as e:
-            out["error"] = f"{type(e).__name__}: {e}"
+        async def one(i: int):
+            await asyncio.sleep(max(0.0, clock0 + load[i][0] - time.perf_counter()))
+            return await stream_completion(client, url + "/v1/completions", DEFAULT_MODEL_NAME, prompts[i],
+                                           max_tokens, clock0, {"cache_salt": salt})
 
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        await client.get("/health")
-        t0 = time.monotonic() + 0.2
-        await asyncio.gather(*(one(i, client, t0) for i in range(len(load))))
-    return results
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))]
+        return list(await asyncio.gather(*(one(i) for i in range(len(load)))))
 
 
 def wait_healthy(url: str, proc, timeout: float = 60) -> None:
@@ -634,9 +611,9 @@ def test_predicted_finish_beats_round_robin_and_least_loaded_on_p90_ttft(mock_me
         url = start_gateway(mock_mesh, "--prefill-router", policy)
         wait_idle(mock_mesh)
         res = asyncio.run(replay(url, load, salt=policy))
-        assert all(r["status"] == 200 and r["done"] for r in res), [r for r in res if not r.get("done")][:3]
-        ttft = [r["ttft"] for r in res]
-        small = [r["ttft"] for r in res if r["tokens"] < 1000]
+        assert all(r.ok for r in res), [r for r in res if not r.ok][:3]
+        ttft = [r.ttft for r in res]
+        small = [r.ttft for r, (_, tokens) in zip(res, load) if tokens < 1000]
         figures[policy] = {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
                            "small_p90": percentile(small, 90)}
     print("\nTTFT seconds by prefill policy (4 mock prefill workers, 64 requests, 6 of 4-6k tokens):")
@@ -659,17 +636,18 @@ def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_sl
     url = start_gateway(mock_mesh, "--ttft-slo-s", str(slo))
     wait_idle(mock_mesh)
     res = asyncio.run(replay(url, load, salt="overload", max_tokens=4))
-    ok = [r for r in res if r["status"] == 200]
-    limited = [r for r in res if r["status"] == 429]
-    ttft = [r["ttft"] for r in ok]
+    ok = [r for r in res if r.status == 200]
+    limited = [r for r in res if r.status == 429]
+    ttft = [r.ttft for r in ok]
     print(f"\noverload: {len(res)} requests in 4 s, SLO {slo} s: {len(ok)} admitted, {len(limited)} got 429; "
           f"admitted TTFT p50 {percentile(ttft, 50):.3f} p90 {percentile(ttft, 90):.3f} "
           f"p99 {percentile(ttft, 99):.3f} max {max(ttft):.3f} s; Retry-After "
-          f"{sorted({r['retry_after'] for r in limited})}")
-    assert len(ok) + len(limited) == len(res), [r for r in res if r["status"] not in (200, 429)][:3]
-    assert all(r["done"] and "error" not in r for r in ok)  # every admitted request completed
+          f"{sorted({r.retry_after_s for r in limited})}")
+    assert len(ok) + len(limited) == len(res), [r for r in res if r.status not in (200, 429)][:3]
+    assert all(r.ok for r in ok)  # every admitted request completed
     assert len(limited) >= len(res) // 3 and len(ok) >= 12
     for r in limited:
-        assert int(r["retry_after"]) >= 1
-        assert r["body"]["error"]["type"] == "rate_limit_exceeded" and r["body"]["error"]["code"] == "ttft_slo"
+        assert r.retry_after_s >= 1
+        body = json.loads(r.error)
+        assert body["error"]["type"] == "rate_limit_exceeded" and body["error"]["code"] == "ttft_slo"
     assert percentile(ttft, 99) <= slo * 1.25

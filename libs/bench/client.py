@@ -31,7 +31,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
             res.status = resp.status_code
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                res.error = text[:300] or f"HTTP {resp.status_code}"
+                res.error = text[:2000] or f"HTTP {resp.status_code}"  # the API's error body
                 if "retry-after" in resp.headers:
                     res.retry_after_s = float(resp.headers["retry-after"])
                 return res
