@@ -95,7 +95,7 @@ class AttentionMetadata:
 
 def build_metadata(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-    per_sequence: bool = False, first_blocks: list[int] | None = None,
+    per_sequence: bool = False, first_blocks: list[int] | None = None, key_starts: list[int] | None = None,
 ) -> AttentionMetadata:
     """Build the step's metadata from integers.
 
@@ -103,7 +103,9 @@ def build_metadata(
     with KV after this step (cached + new), so the new tokens sit at positions
     ``[context_lens[i] - query_lens[i], context_lens[i])``. first_blocks[i]:
     first logical block of sequence i whose KV is kept (default 0); the
-    entries of its block table before it are ignored.
+    entries of its block table before it are ignored. key_starts[i]: first key
+    position sequence i may attend (default 0; must not exceed its first new
+    token's position).
     """
     b = len(query_lens)
     first = first_blocks or [0] * b
@@ -119,6 +121,8 @@ def build_metadata(
     col = torch.arange(lmax)
     pos = torch.tensor(first)[:, None] * block_size + col[None, :]  # [B, L] absolute key positions
     valid = pos < ctx[:, None]  # [B, L]
+    if key_starts is not None and any(key_starts):
+        valid &= pos >= torch.tensor(key_starts)[:, None]
     blocks = torch.gather(tables, 1, (col // block_size)[None, :].expand(b, -1))
     context_slots = torch.where(valid, blocks * block_size + col % block_size, 0)
     # query j of seq i is at absolute position ctx_i - qlen_i + j; it sees keys <= that.

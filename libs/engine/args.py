@@ -30,6 +30,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy output independent of batch composition (slower attention)")
     p.add_argument("--no-packed-weights", action="store_true", help="do not pre-pack GEMM weights (MKL, fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--swa-replay", choices=["bounded", "exact"],
+                   default=os.environ.get("DEEPINFER_SWA_REPLAY", "bounded"),
+                   help="hybrid sliding-window models, a cached prefix whose window state is gone: bounded = replay "
+                        "its last W tokens (W token-forwards, approximate), exact = recompute it; a request's "
+                        "swa_replay overrides it (env DEEPINFER_SWA_REPLAY; default bounded)")
+    p.add_argument("--swa-cache-gb", type=float, default=float(os.environ.get("DEEPINFER_SWA_CACHE_GB", 0.25)),
+                   help="host memory for the SWA state cache: window layers' KV of recent prefixes, GiB "
+                        "(hybrid sliding-window models; 0 = none; default 0.25)")
     p.add_argument("--engine", choices=["native", "mock"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
                    help="native: the model; mock: no model, steps sleep by a timing model, deterministic "
                         "tokens (engine/mock.py; env DEEPINFER_ENGINE; default native)")
@@ -77,4 +85,6 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         async_scheduling=not args.no_async_scheduling,
         batch_invariant=args.batch_invariant,
         packed_weights=not args.no_packed_weights,
+        swa_replay=args.swa_replay,
+        swa_cache_bytes=int(args.swa_cache_gb * (1 << 30)),
     )

@@ -16,7 +16,7 @@ ones other prompts are most likely to share) are evicted last.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from deepinfer.engine.sequence import Sequence
@@ -48,6 +48,9 @@ class BlockManager:
         # prefix-cache statistics, in tokens
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # admissions by ``Sequence.prefix_path``, and prefix tokens fed again by bounded replays
+        self.prefix_paths: Counter[str] = Counter()
+        self.num_replayed_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,6 +84,10 @@ class BlockManager:
             hits.pop()
         return hits
 
+    def prefix_start(self, seq: Sequence, hits: list[int]) -> int:
+        """First token a new sequence computes after taking ``hits`` (from ``find_cached_prefix``)."""
+        return len(hits) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
         """Whether ``seq`` can hold ``num_tokens`` tokens of KV (after taking ``hits``)."""
         need = -(-num_tokens // self.block_size) - len(seq.block_table) - len(hits)
@@ -105,16 +112,24 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def record_query(self, seq: Sequence) -> None:
-        """Count a new sequence's prompt and hit tokens for the hit rate (once per sequence)."""
+        """Count a newly admitted sequence's prompt and hit tokens for the hit rate, and the
+        path its prefix took (``seq.prefix_path``: "hit" or "cold" unless a hybrid pool set it)."""
+        if not seq.prefix_path:
+            seq.prefix_path = "hit" if seq.num_cached_tokens else "cold"
         self.num_queried_tokens += seq.num_prompt_tokens
         self.num_hit_tokens += seq.num_cached_tokens
+        self.prefix_paths[seq.prefix_path] += 1
+        self.num_replayed_tokens += seq.num_replayed_tokens
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's full, computed blocks in the prefix cache."""
+        """Register the sequence's full, computed, exact blocks in the prefix cache (never
+        those past ``seq.num_exact_tokens``: they hold approximate KV)."""
         if not self.enable_prefix_caching:
             return
         hashes = self.hashes(seq)
-        for i in range(min(seq.num_computed_tokens // self.block_size, len(hashes))):
+        exact = seq.num_computed_tokens if seq.num_exact_tokens is None else min(seq.num_computed_tokens,
+                                                                               seq.num_exact_tokens)
+        for i in range(min(exact // self.block_size, len(hashes))):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash = hashes[i]
@@ -155,7 +170,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.reset_kv_state()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated)."""

@@ -8,6 +8,12 @@ so the caller can write them to the storage tier. A decode engine accepts
 requests with imported KV (``add_request(..., kv_blocks=...)``) that go
 straight into the running batch.
 
+Hybrid sliding-window models (TECHNIQUES §5): the storage tier's blocks hold
+the full layers only (``load_prefix`` takes them); the window layers' state of
+a prefix comes from the window pool, the host SWA state cache
+(``swa_cache``, filled with each finished sequence's last window) or a bounded
+replay (``hybrid_blocks``); ``StepOutput.prefix_path`` says which.
+
 ``step()`` runs one step synchronously. ``step_async()`` overlaps: the
 forward pass and sampling of step t run on a forward thread while this
 thread schedules and prepares step t+1 and hands off step t-1's outputs
@@ -27,12 +33,14 @@ from pathlib import Path
 import torch
 
 from deepinfer.engine.block_manager import BlockManager
-from deepinfer.engine.hybrid_blocks import HybridBlockManager, WindowBlockManager
+from deepinfer.engine.hybrid_blocks import SWA_MODES, HybridBlockManager, WindowBlockManager
+from deepinfer.engine.kv_layout import KVLayout
 from deepinfer.engine.cost_model import StepCostModel, features
 from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.layers import Linear
 from deepinfer.models.loader import DTYPES, load_model
@@ -57,7 +65,12 @@ class EngineConfig:
     packed_weights: run linear layers from MKL-packed weights (CPU fp32; one
     extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes).
     async_scheduling: workers drive the engine with ``step_async`` (schedule
-    step t+1 while step t runs) instead of ``step``."""
+    step t+1 while step t runs) instead of ``step``.
+    swa_replay: hybrid sliding-window models, a cached prefix whose window state
+    is gone: "bounded" (replay its last W tokens, TECHNIQUES §5) or "exact"
+    (recompute it); a request's ``SamplingParams.swa_replay`` overrides it.
+    swa_cache_bytes: host memory for the SWA state cache (window layers' KV of
+    recently finished prefixes; 0 = none)."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -73,6 +86,8 @@ class EngineConfig:
     batch_invariant: bool = False
     packed_weights: bool = True
     async_scheduling: bool = True
+    swa_replay: str = "bounded"
+    swa_cache_bytes: int = 256 << 20
 
 
 @dataclass
@@ -95,6 +110,14 @@ class StepOutput:
     num_kv_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list | None = None  # [TokenLogprobs] per new token, when the request asked
+    # how the prompt's cached prefix was reused (``Sequence.prefix_path``) and prefix tokens replayed
+    prefix_path: str = ""
+    num_replayed_tokens: int = 0
+    # of ``kv_blocks``: leading blocks whose KV equals a cold run's (storable under their prefix
+    # hash; fewer than all after a bounded replay), and the first block whose window layers hold
+    # KV (hybrid models: earlier ones were released, zeros)
+    num_exact_blocks: int = 0
+    first_window_block: int = 0
 
     def wire_logprobs(self) -> list | None:
         """``TokenChunk.logprobs`` form: per token ``[logprob, [[token_id, logprob], ...]]``."""
@@ -134,7 +157,15 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size)
         windows = [a.sliding_window for a in self.model.attention_layers]
         num_window_layers = sum(w is not None for w in windows)
+        self.swa_cache: SWAStateCache | None = None
+        if config.swa_replay not in SWA_MODES:
+            raise ValueError(f"swa_replay must be one of {SWA_MODES}, not {config.swa_replay!r}")
         if 0 < num_window_layers < len(windows):  # hybrid: window layers keep only the window's blocks
+            # NOTE: the storage tier's blocks of a hybrid model hold the full layers only: a layout of
+            # its own, so it gets a fingerprint (directory) of its own too.
+            self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size, layout="full-layers")
+            if config.enable_prefix_caching and config.swa_cache_bytes > 0:
+                self.swa_cache = SWAStateCache(config.swa_cache_bytes)
             window = max(w for w in windows if w is not None)
             num_full_layers = len(windows) - num_window_layers
             self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype, num_full_layers)
@@ -152,7 +183,7 @@ class LLMEngine:
                 num_blocks, config.block_size,
                 WindowBlockManager(num_window_blocks, config.block_size, window, self.fingerprint,
                                    config.enable_prefix_caching),
-                self.fingerprint, config.enable_prefix_caching)
+                self.fingerprint, config.enable_prefix_caching, self.swa_cache, config.swa_replay)
         else:
             self.block_bytes = ModelRunner.block_bytes(mc, config.block_size, dtype)
             num_blocks, num_window_blocks = max(2, config.kv_cache_bytes // self.block_bytes), 0
@@ -189,16 +220,24 @@ class LLMEngine:
         if config.calibrate:
             self.calibrate()
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Which layers a handoff block, a storage-tier block and a window part hold."""
+        return KVLayout(self.model_config.num_hidden_layers, tuple(getattr(self.runner, "window_layers", ())))
+
     # --- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     output_token_ids: list[int] = (), kv_blocks: torch.Tensor | None = None,
-                    num_kv_tokens: int = 0, cache_salt: str | None = None) -> None:
+                    num_kv_tokens: int = 0, cache_salt: str | None = None,
+                    num_exact_tokens: int | None = None) -> None:
         """Queue a request. With ``kv_blocks`` covering the first ``num_kv_tokens`` tokens
-        (must be all tokens but the last), it joins the running batch without a prefill.
+        (must be all tokens but the last), it joins the running batch without a prefill;
+        ``num_exact_tokens``: how many of them hold a cold run's KV (None = all; fewer after
+        a bounded replay on the prefill worker: the rest never enters the prefix cache).
 
-        Raises RequestError for an empty or too-long prompt or inconsistent KV.
+        Raises RequestError for an empty or too-long prompt, a bad ``swa_replay`` or inconsistent KV.
         """
-        self.check_request(prompt_token_ids, output_token_ids)
+        self.check_request(prompt_token_ids, output_token_ids, sampling)
         tokens = list(prompt_token_ids) + list(output_token_ids)
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode())
@@ -222,6 +261,8 @@ class LLMEngine:
             seq.num_computed_tokens = num_kv_tokens  # (window pools allocate only the window)
             if self.block_manager.can_allocate(seq, len(tokens)):
                 self.block_manager.allocate(seq, len(tokens))
+                if num_exact_tokens is not None and num_exact_tokens < num_kv_tokens:
+                    seq.num_exact_tokens = num_exact_tokens
                 if self._pool is not None:  # after the running step, which may still read released blocks
                     self._pool.submit(self.runner.write_blocks, seq, kv_blocks).result()
                 else:
@@ -231,11 +272,15 @@ class LLMEngine:
                 seq.num_computed_tokens = 0
         self.scheduler.add(seq)
 
-    def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = ()) -> None:
+    def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),
+                      sampling: SamplingParams | None = None) -> None:
         """Raise RequestError unless the prompt is non-empty, every token id is in the
-        vocabulary and prompt + output stay below ``max_model_len`` (pure: any thread)."""
+        vocabulary, prompt + output stay below ``max_model_len`` and ``sampling.swa_replay``
+        is None, "bounded" or "exact" (pure: any thread)."""
         if not prompt_token_ids:
             raise RequestError("empty prompt")
+        if sampling is not None and sampling.swa_replay not in (None, *SWA_MODES):
+            raise RequestError(f"swa_replay must be one of {SWA_MODES}, not {sampling.swa_replay!r}")
         vocab = self.model_config.vocab_size
         tokens = list(prompt_token_ids) + list(output_token_ids)
         if any(not 0 <= t < vocab for t in tokens):
@@ -258,21 +303,32 @@ class LLMEngine:
 
         hashes: chained prefix hashes of consecutive full blocks (the first may
         follow blocks already cached here); blocks: [n, num_layers, 2,
-        block_size, num_kv_heads, head_dim] (``read_blocks``' layout). Blocks
-        whose hash is cached already are skipped; they wait, unreferenced, at
-        the tail of the LRU free queue. Returns how many were inserted (0 for
-        hybrid sliding-window models, whose window layers' KV is not stored).
+        block_size, num_kv_heads, head_dim] (``read_blocks``' layout) or, for
+        hybrid sliding-window models, the storage tier's [n, num_full_layers,
+        ...] (``kv_layout``): only the full layers' KV is loaded, the window
+        layers' state is found or rebuilt when a request hits these blocks.
+        Blocks whose hash is cached already are skipped; they wait,
+        unreferenced, at the tail of the LRU free queue. Returns how many were
+        inserted. Raises ValueError for blocks of another layer count.
         """
         bm = self.block_manager
-        if isinstance(bm, HybridBlockManager) or not bm.enable_prefix_caching:
+        if not bm.enable_prefix_caching:
             return 0
+        layout = self.kv_layout
+        if layout.hybrid and blocks.shape[1] == layout.num_layers:
+            blocks = blocks[:, layout.full_layers]
+        if blocks.shape[1] != len(layout.full_layers):
+            raise ValueError(f"blocks of {blocks.shape[1]} layers, expected {len(layout.full_layers)}")
         todo = [(h, i) for i, h in enumerate(hashes) if h not in bm.cached][: max(0, bm.num_free_blocks - 1)]
         if not todo:
             return 0
         ids = [bm._take_free() for _ in todo]
-        tmp = Sequence("__load_prefix", [0], 1, SamplingParams(max_tokens=1))
-        tmp.block_table = ids
-        write = functools.partial(self.runner.write_blocks, tmp, blocks[[i for _, i in todo]])
+        if layout.hybrid:
+            write = functools.partial(self.runner.write_full_blocks, ids, blocks[[i for _, i in todo]])
+        else:
+            tmp = Sequence("__load_prefix", [0], 1, SamplingParams(max_tokens=1))
+            tmp.block_table = ids
+            write = functools.partial(self.runner.write_blocks, tmp, blocks[[i for _, i in todo]])
         if self._pool is not None:  # after the running step, which may still read these blocks
             self._pool.submit(write).result()
         else:
@@ -360,6 +416,8 @@ class LLMEngine:
             return None
         pieces = [(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs]
         inputs = self.runner.prepare(seqs)
+        if any(s.window_restore for s in seqs):
+            inputs.window_restores = self._take_window_restores(seqs)
         sampling = self.scheduler.advance(seqs)
         self.num_steps += 1
         self.num_computed_tokens_total += sum(n for n, _ in pieces)
@@ -367,6 +425,37 @@ class LLMEngine:
         step = _Step(seqs, inputs, pieces, sampling)
         self._launched.append(step)
         return step
+
+    def _take_window_restores(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """The SWA state cache's blocks for the window blocks newly admitted sequences
+        restore (written by the runner on the forward thread, after the running step)."""
+        ids, blocks = [], []
+        for seq in seqs:
+            for block_id, block_hash in seq.window_restore:
+                block = self.swa_cache.get(block_hash)
+                # NOTE: planned in this same schedule; only a finishing sequence's put evicts
+                assert block is not None, "SWA state cache entry evicted between plan and launch"
+                ids.append(block_id)
+                blocks.append(block)
+            seq.window_restore = []
+        return ids, torch.stack(blocks)
+
+    def _save_window_state(self, seq: Sequence) -> int:
+        """Copy a finished sequence's window state (the window layers' blocks a query
+        right after its last whole computed block can see) into the SWA state cache,
+        unless it is approximate (``num_exact_tokens``). Returns the blocks added."""
+        cache, bm = self.swa_cache, self.block_manager
+        if cache is None or seq.num_exact_tokens is not None or not seq.window_block_table:
+            return 0
+        hashes = bm.hashes(seq)
+        k = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bm.block_size, len(hashes))
+        table = seq.window_block_table
+        todo = [i for i in range(bm.window.first_needed_block(k * bm.block_size), k) if hashes[i] not in cache]
+        if not todo or any(table[i] == -1 for i in todo):
+            return 0
+        for i in todo:  # one tensor per block, so evicting one frees its memory
+            cache.put(hashes[i], self.runner.read_window_blocks([table[i]])[0])
+        return len(todo)
 
     def _execute(self, step: "_Step") -> SampleResult:
         """Forward pass and sampling (on the forward thread in async mode)."""
@@ -411,18 +500,33 @@ class LLMEngine:
             if i in live:
                 out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
                                  num_cached_tokens=seq.num_cached_tokens,
-                                 logprobs=[logprobs[i]] if logprobs[i] is not None else None)
+                                 logprobs=[logprobs[i]] if logprobs[i] is not None else None,
+                                 prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens)
                 if id(seq) in finished and seq.prefill_only:
-                    out.num_kv_tokens = len(seq.token_ids) - 1
-                    n = (-(-out.num_kv_tokens // self.config.block_size) if seq.finish_reason == "handoff"
-                         else out.num_kv_tokens // self.config.block_size)
-                    if n:
-                        out.kv_blocks = self.runner.read_blocks(seq, n)
+                    self._export_kv(seq, out)
                 outputs.append(out)
             if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
+                self._save_window_state(seq)
                 self.block_manager.free(seq)
                 self.generators.pop(seq.request_id, None)
         return outputs
+
+    def _export_kv(self, seq: Sequence, out: StepOutput) -> None:
+        """A prefill-only engine's finished prompt: its KV blocks into ``out`` (see ``StepOutput``).
+        A handoff gets every block (the last one partial); a request its first token ended gets
+        its whole, exact blocks only (they are for the storage tier)."""
+        bs = self.config.block_size
+        out.num_kv_tokens = len(seq.token_ids) - 1
+        n = -(-out.num_kv_tokens // bs) if seq.finish_reason == "handoff" else out.num_kv_tokens // bs
+        exact = n if seq.num_exact_tokens is None else min(n, seq.num_exact_tokens // bs)
+        if seq.finish_reason != "handoff":
+            n = exact
+        if not n:
+            return
+        out.kv_blocks = self.runner.read_blocks(seq, n)
+        out.num_exact_blocks = exact
+        if self.kv_layout.hybrid:
+            out.first_window_block = next((i for i, b in enumerate(seq.window_block_table[:n]) if b != -1), n)
 
     # --- cost model ---------------------------------------------------------------
     def calibrate(self) -> None:

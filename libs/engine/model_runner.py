@@ -10,7 +10,16 @@ have both groups, addressed by ``seq.block_table`` and
 ``seq.window_block_table``; other models put every layer in ``kv_cache``.
 A block exported to (or imported from) another engine covers all layers in
 model order: [num_layers, 2, block_size, num_kv_heads, head_dim] (window
-layers' released blocks are zeros).
+layers' released blocks are zeros). A block of the storage tier's prefix files
+covers the full layers only (``write_full_blocks``; all layers for models
+without window layers), and the SWA state cache holds window layers' blocks
+(``read_window_blocks`` / ``StepInputs.window_restores``).
+
+Bounded replay (TECHNIQUES §5, ``engine.hybrid_blocks``): while a sequence
+feeds positions below ``seq.replay_end`` again, its full layers' new K/V go to
+a scratch block no block table names (their cached KV stays as the cold run
+computed it; queries still attend to it), and its window layers see no keys
+before ``seq.replay_start``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ class StepInputs:
     meta: list[AttentionMetadata]  # one per KV group (full, window)
     logits_index: torch.Tensor
     placeholders: list
+    # window blocks to fill from the SWA state cache before the forward pass:
+    # (block ids, [n, num_window_layers, 2, block_size, num_kv_heads, head_dim])
+    window_restores: tuple[list[int], torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -53,7 +65,10 @@ class ModelRunner:
         self.window_layers = [i for i, a in enumerate(layers) if self.hybrid and a.sliding_window is not None]
         self.full_layers = [i for i in range(len(layers)) if i not in self.window_layers]
         shape = (2, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(len(self.full_layers), shape[0], num_blocks, *shape[1:], dtype=dtype)
+        # hybrid: one scratch block past the pool takes the full layers' K/V of replayed positions
+        self.scratch_block = num_blocks if self.hybrid else None
+        num_full_blocks = num_blocks + (1 if self.hybrid else 0)
+        self.kv_cache = torch.zeros(len(self.full_layers), shape[0], num_full_blocks, *shape[1:], dtype=dtype)
         self.window_kv_cache = torch.zeros(len(self.window_layers), shape[0], num_window_blocks, *shape[1:],
                                            dtype=dtype)
         for group, (cache, idx) in enumerate(((self.kv_cache, self.full_layers),
@@ -90,12 +105,26 @@ class ModelRunner:
         meta = [build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
                                per_sequence=self.batch_invariant)]
         if self.hybrid:
+            self._discard_replayed_writes(meta[0], seqs, query_lens)
             tables = [s.window_block_table for s in seqs]
             first = [next((i for i, b in enumerate(t) if b != NULL_BLOCK), len(t)) for t in tables]
             meta.append(build_metadata(query_lens, context_lens, tables, self.block_size,
-                                       per_sequence=self.batch_invariant, first_blocks=first))
+                                       per_sequence=self.batch_invariant, first_blocks=first,
+                                       key_starts=[s.replay_start for s in seqs]))
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                           meta, torch.tensor(query_lens).cumsum(0) - 1, placeholders)
+
+    def _discard_replayed_writes(self, meta: AttentionMetadata, seqs: list[Sequence], query_lens: list[int]) -> None:
+        """Point the full layers' cache writes of replayed positions (< ``seq.replay_end``)
+        at the scratch block, so the cached KV there stays the cold run's."""
+        offset = 0
+        for seq, n in zip(seqs, query_lens):
+            start = seq.num_computed_tokens
+            m = min(n, seq.replay_end - start)
+            if m > 0:
+                pos = torch.arange(start, start + m)
+                meta.slot_mapping[offset : offset + m] = self.scratch_block * self.block_size + pos % self.block_size
+            offset += n
 
     @staticmethod
     def fill(inputs: StepInputs) -> None:
@@ -106,8 +135,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward pass; the logits after each sequence's last fed token: [B, V] float32."""
+        """Forward pass (after filling ``window_restores``); the logits after each
+        sequence's last fed token: [B, V] float32."""
         assert not inputs.placeholders, "fill() the placeholders first"
+        if inputs.window_restores is not None:
+            self.write_window_blocks(*inputs.window_restores)
+            inputs.window_restores = None
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -142,3 +175,16 @@ class ModelRunner:
                 rows, ids = zip(*kept)
                 win = blocks[list(rows)][:, self.window_layers]  # [k, Lw, 2, ...]
                 self.window_kv_cache[:, :, list(ids)] = win.permute(1, 2, 0, 3, 4, 5)
+
+    def write_full_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Copy storage-tier blocks [n, num_full_layers, 2, block_size, num_kv_heads, head_dim]
+        (every layer for models without window layers) into full-pool blocks ``block_ids``."""
+        self.kv_cache[:, :, block_ids] = blocks.to(self.kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)
+
+    def read_window_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy window-pool blocks out: [n, num_window_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return self.window_kv_cache[:, :, block_ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def write_window_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Copy blocks in ``read_window_blocks``' layout into window-pool blocks ``block_ids``."""
+        self.window_kv_cache[:, :, block_ids] = blocks.to(self.window_kv_cache.dtype).permute(1, 2, 0, 3, 4, 5)

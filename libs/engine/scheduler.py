@@ -6,7 +6,9 @@ Two queues, ``waiting`` and ``running`` (vLLM v1's unified scheduler):
    its one new token; a sequence still prefilling gets the next chunk.
 2. Then waiting sequences (new or preempted), while fewer than
    ``max_num_seqs`` run: the longest cached prefix is taken from the block
-   manager (those tokens are not recomputed) and the first chunk is cut.
+   manager (those tokens are not recomputed; on hybrid sliding-window models a
+   bounded replay may feed the prefix's last W tokens again, see
+   ``hybrid_blocks``) and the first chunk is cut.
 
 Budgets per step: ``max_num_batched_tokens`` new tokens (memory), and, for
 prefill chunks, ``step_time_budget_s`` of predicted compute from the
@@ -132,7 +134,7 @@ class Scheduler:
         while self.waiting and tokens_left > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.find_cached_prefix(seq)
-            cached = len(hits) * bm.block_size
+            cached = bm.prefix_start(seq, hits)  # hybrid models: a bounded replay starts before the hit's end
             n = min(len(seq) - cached, tokens_left)
             if len(seq) - cached > 1 and time_left is not None:
                 fit = self.cost_model.max_chunk(cached, time_left)
@@ -163,6 +165,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -53,6 +53,29 @@ class Sequence:
     # Launched steps that include this sequence and are not back yet (its blocks
     # are freed only when this is 0: a running forward pass may still write them).
     num_inflight_steps: int = 0
+    # Times this sequence was preempted (its KV freed, recomputed later).
+    num_preemptions: int = 0
+
+    # --- hybrid sliding-window models: how the cached prefix was reused (TECHNIQUES §5) ---
+    # "cold" (no hit), "hit" (every layer's KV reused from this engine's pools), "swa_cache"
+    # (window layers' KV restored from the host SWA state cache), "bounded_replay",
+    # "exact_recompute" (a full-layer prefix was cached but the window state was not, and the
+    # prefix was recomputed); "" for imported KV. Set when the sequence is admitted.
+    prefix_path: str = ""
+    # Bounded replay: positions [replay_start, replay_end) are fed again only to rebuild the
+    # window layers' KV (their keys start at replay_start); the full layers keep the cached
+    # KV of every position < replay_end. (0, 0) = no replay.
+    replay_start: int = 0
+    replay_end: int = 0
+    # KV from this position on may differ from a cold run (computed after a bounded replay,
+    # here or on the prefill worker that handed off): only full-layer blocks before it enter the
+    # prefix cache, window-layer blocks never. None = every block is exact.
+    num_exact_tokens: int | None = None
+    # Scheduling scratch, set by ``find_cached_prefix`` and consumed by ``allocate``
+    # (``hybrid_blocks.PrefixPlan``), and window blocks to fill from the SWA state cache
+    # at launch: (window block id, prefix hash).
+    prefix_plan: object | None = None
+    window_restore: list[tuple[int, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_inflight_tokens
@@ -73,3 +96,16 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_new_tokens > 1
+
+    @property
+    def num_replayed_tokens(self) -> int:
+        """Prefix tokens fed again by a bounded replay (0 without one)."""
+        return self.replay_end - self.replay_start
+
+    def reset_kv_state(self) -> None:
+        """Forget everything about KV this sequence held (its blocks were freed)."""
+        self.num_computed_tokens = 0
+        self.replay_start = self.replay_end = 0
+        self.num_exact_tokens = None
+        self.prefix_plan = None
+        self.window_restore = []

@@ -60,6 +60,7 @@ class EngineWorker(Service):
         reads counters and ``queued_prefill``, which are safe to read from here)."""
         e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
         queued_tokens, queued_s = e.queued_prefill()
+        swa = getattr(e, "swa_cache", None)
         return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
                           waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
                           kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
@@ -69,7 +70,10 @@ class EngineWorker(Service):
                           prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
                           engine=e.engine_kind, fingerprint=e.fingerprint,
                           kv_block_bytes=e.block_bytes, finished_requests=e.num_finished_requests,
-                          computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total)
+                          computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total,
+                          prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
+                          swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
+                          swa_cache_misses=swa.misses if swa else 0)
 
     def busy(self) -> bool:
         return bool(self.requests)

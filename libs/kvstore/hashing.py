@@ -17,12 +17,15 @@ import struct
 from pathlib import Path
 
 
-def model_fingerprint(model_dir: str | Path, dtype: str = "float32", block_size: int = 16) -> str:
-    """Stable id of (weights, KV dtype, block size): 16 hex chars.
+def model_fingerprint(model_dir: str | Path, dtype: str = "float32", block_size: int = 16, layout: str = "") -> str:
+    """Stable id of (weights, KV dtype, block size, block layout): 16 hex chars.
 
     Hashes config.json and each safetensors file's size and header (the
     header lists every tensor's name, dtype, shape and offsets), so two copies
-    of one checkpoint agree without reading gigabytes of weights.
+    of one checkpoint agree without reading gigabytes of weights. ``layout``
+    names a block layout other than "every layer" (hybrid sliding-window
+    models store "full-layers" only), so blocks of different layouts never
+    share a directory ("" leaves the fingerprint as it always was).
     """
     model_dir = Path(model_dir)
     h = hashlib.sha256()
@@ -33,6 +36,8 @@ def model_fingerprint(model_dir: str | Path, dtype: str = "float32", block_size:
             h.update(fh.read(n))
         h.update(str(f.stat().st_size).encode())
     h.update(f"{dtype}/{block_size}".encode())
+    if layout:
+        h.update(f"/{layout}".encode())
     return h.hexdigest()[:16]
 
 

@@ -47,10 +47,14 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
 )}
 
 
-def ephemeral_key(request_id: str, index: int) -> str:
-    """Key of a request's partial last block (not content-addressed; deleted after use)."""
+def ephemeral_key(request_id: str, index: int, part: str = "") -> str:
+    """Key of a request's block ``index`` handed off without a prefix hash (the partial last
+    one, one computed after a bounded replay) or, with ``part`` "w", of its window layers'
+    part (hybrid models); not content-addressed, deleted after use. ``part``: [a-z]*."""
+    if not part.isascii() or (part and not part.isalpha()):
+        raise ValueError(f"bad ephemeral part {part!r}")
     safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in request_id)
-    return f"eph-{safe}-{index}"
+    return f"eph-{safe}-{part}{index}"
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

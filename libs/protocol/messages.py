@@ -48,6 +48,10 @@ class SamplingParams:
     besides the model's EOS ids. ignore_eos: keep going past EOS (benchmarks).
     logprobs: return the sampled token's logprob; top_logprobs: and the
     ``top_logprobs`` most likely tokens' (0-20).
+    swa_replay: hybrid sliding-window models, a cached prefix whose window
+    state is gone: "bounded" (replay its last W tokens: W token-forwards, a
+    small accuracy cost, TECHNIQUES §5) or "exact" (recompute the prefix);
+    None = the worker's ``--swa-replay``.
 
     On the wire ``logit_bias`` is a list of ``[token_id, bias]`` pairs
     (msgpack map keys must be strings); ``from_dict`` turns it back into a dict.
@@ -68,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    swa_replay: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -145,6 +150,11 @@ class DecodeRequest:
     ``num_kv_tokens`` tokens of ``prompt_token_ids + output_token_ids``, in
     order, ``block_size`` tokens each (the last one may be partial).
     output_token_ids: tokens already generated (the first one, by prefill).
+    Hybrid sliding-window models (``engine.kv_layout``): ``kv_block_keys`` name the
+    full layers' part of each block only, and ``window_block_keys[i]`` the
+    window layers' part of block i (ephemeral; "" = released, outside the
+    window); empty = the blocks hold every layer. num_exact_blocks: leading blocks
+    whose KV equals a cold run's (-1 = all; fewer after a bounded replay).
     """
 
     request_id: str
@@ -157,6 +167,8 @@ class DecodeRequest:
     block_size: int
     traffic_class: str = "chat"
     cache_salt: str | None = None
+    window_block_keys: list[str] = field(default_factory=list)
+    num_exact_blocks: int = -1
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -194,6 +206,10 @@ class TokenChunk:
     entry per token of ``token_ids``, ``[logprob, [[token_id, logprob], ...]]``
     (the sampled token's logprob, then the ``top_logprobs`` most likely tokens,
     best first). See ``deepinfer.engine.sampler`` for which distribution.
+    prefix_path: prefill's first chunk: how the prompt's cached prefix was reused
+    ("cold", "hit", "swa_cache", "bounded_replay", "exact_recompute"; see
+    ``engine.hybrid_blocks``); num_replayed_tokens: prefix tokens fed again by a
+    bounded replay (not counted in ``num_cached_tokens``).
     """
 
     request_id: str
@@ -205,6 +221,8 @@ class TokenChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[list] | None = None
+    prefix_path: str = ""
+    num_replayed_tokens: int = 0
 
 
 @message
@@ -237,6 +255,10 @@ class LoadReport:
     finished_requests / computed_tokens / busy_s: since start, requests finished (or handed
     off), tokens fed through the model (not cache hits) and seconds spent in forward passes
     (a load-balance view: trace replay compares them across workers).
+    prefix_paths: since start, admitted requests by how their cached prefix was reused
+    (``TokenChunk.prefix_path``); replayed_tokens: prefix tokens fed again by bounded
+    replays; swa_cache_bytes / swa_cache_hits / swa_cache_misses: the SWA state cache's
+    size and block lookups (hybrid sliding-window models; 0 otherwise).
     """
 
     role: str
@@ -265,6 +287,11 @@ class LoadReport:
     finished_requests: int = 0
     computed_tokens: int = 0
     busy_s: float = 0.0
+    prefix_paths: dict[str, int] = field(default_factory=dict)
+    replayed_tokens: int = 0
+    swa_cache_bytes: int = 0
+    swa_cache_hits: int = 0
+    swa_cache_misses: int = 0
 
 
 @message

@@ -8,12 +8,17 @@ Lifecycle of a request in this service:
      keys), with the storage-tier keys of its KV blocks. A request id already
      running here is refused (a second copy would stream duplicates).
   2. The blocks are read from the storage tier on an I/O thread, in order, up
-     to the first missing or corrupt one (the ephemeral partial block is deleted
-     once read). When they cover every token but the last, they are imported as
-     is. Otherwise the request is recomputed here from its tokens, but only what
-     is missing: the leading full blocks read (keyed by their prefix hash) go
-     into the engine's prefix cache first, so the recompute hits them (a miss,
-     never an error).
+     to the first missing or corrupt one (ephemeral blocks are deleted once
+     read). Hybrid sliding-window models: the keys name each block's full
+     layers' part; the window layers' parts of the prompt's last window come
+     as ephemeral blocks of their own (``window_block_keys``) and are joined
+     back (``engine.kv_layout``). When they cover every token but the last, they
+     are imported as is (blocks past ``num_exact_blocks``, computed after a
+     bounded replay on prefill, stay out of the prefix cache). Otherwise the
+     request is recomputed here from its tokens, but only what is missing: the
+     leading full blocks read (keyed by their prefix hash) go into the engine's
+     prefix cache first, so the recompute hits them (a miss, never an error;
+     hybrid models then restore or replay the window state, TECHNIQUES §5).
   3. The engine copies imported blocks into its paged KV cache at the next step
      boundary; the request joins ``running`` and an empty ``TokenChunk``
      announces this worker on the stream (so the gateway watches it).
@@ -67,12 +72,12 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
         self.requests[req.request_id] = req
-        kv = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
+        kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
         if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
+        bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-        whole = (kv is not None and len(kv) == len(req.kv_block_keys) and req.num_kv_tokens == num_tokens - 1
-                 and len(kv) * self.engine.config.block_size >= req.num_kv_tokens)
+        whole = complete and req.num_kv_tokens == num_tokens - 1 and len(kv) * bs >= req.num_kv_tokens
         try:
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens)
@@ -80,6 +85,7 @@ class DecodeService(EngineWorker):
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
                 num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
+                num_exact_tokens=req.num_exact_blocks * bs if whole and req.num_exact_blocks >= 0 else None,
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
@@ -107,22 +113,43 @@ class DecodeService(EngineWorker):
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))
 
     # --- helpers ---------------------------------------------------------------
-    def load_blocks(self, req: DecodeRequest) -> torch.Tensor | None:
-        """Read the request's blocks in order up to the first missing or corrupt one
-        (None if that is the first); ephemeral blocks are deleted either way."""
-        blocks, missed = [], False
-        for key in req.kv_block_keys:
-            eph = is_ephemeral(key)
-            if not missed:
-                block = self.store.get(key, EPHEMERAL if eph else req.traffic_class)
-                if block is None:
-                    log.warning("kv_block_miss", request_id=req.request_id, key=key)
-                    missed = True
-                else:
-                    blocks.append(block)
-            if eph:
-                self.store.delete(key, EPHEMERAL)
-        return torch.stack(blocks) if blocks else None
+    def load_blocks(self, req: DecodeRequest) -> tuple[torch.Tensor | None, bool]:
+        """Read the request's blocks in order up to the first missing, corrupt or
+        misshapen one; ephemeral blocks are deleted either way. Returns (blocks,
+        complete): complete when every block (hybrid models: and the window part of
+        each block that has one) was read; the blocks then hold every layer, else the
+        full layers' part of the leading blocks read (None if none)."""
+        layout, cfg = self.engine.kv_layout, self.engine.model_config
+        tail = (2, self.engine.config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        window_keys = req.window_block_keys if layout.hybrid else []
+        full, windows, ok = [], [], True
+        for i, key in enumerate(req.kv_block_keys):
+            block = self.read_block(req, key, ok, (len(layout.full_layers), *tail))
+            if ok and block is None:
+                log.warning("kv_block_miss", request_id=req.request_id, key=key)
+                ok = False
+            if ok:
+                full.append(block)
+            window_key = window_keys[i] if i < len(window_keys) else ""
+            part = self.read_block(req, window_key, ok, (len(layout.window_layers), *tail)) if window_key else None
+            windows.append(part)
+            if ok and window_key and part is None:
+                log.warning("kv_block_miss", request_id=req.request_id, key=window_key)
+                window_keys = []  # the window state is gone: the full parts still make a prefix
+        if not full:
+            return None, False
+        if layout.hybrid and (len(window_keys) != len(req.kv_block_keys) or not ok):
+            return torch.stack(full), False
+        return torch.stack([layout.join(f, w) for f, w in zip(full, windows)]), ok
+
+    def read_block(self, req: DecodeRequest, key: str, read: bool, shape: tuple) -> torch.Tensor | None:
+        """Block ``key`` if ``read`` and it is there with ``shape`` (else None); an ephemeral
+        block is deleted either way."""
+        eph = is_ephemeral(key)
+        block = self.store.get(key, EPHEMERAL if eph else req.traffic_class) if read else None
+        if eph:
+            self.store.delete(key, EPHEMERAL)
+        return block if block is not None and tuple(block.shape) == shape else None
 
     async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int) -> int:
         """Put the leading full blocks of ``kv`` (keyed by their prefix hash) into the engine's
@@ -131,7 +158,7 @@ class DecodeService(EngineWorker):
         bs = self.engine.config.block_size
         n = 0
         while n < min(len(kv), (num_tokens - 1) // bs) and not is_ephemeral(req.kv_block_keys[n]):
-            n += 1
+            n += 1  # (blocks past ``num_exact_blocks`` have ephemeral keys)
         if not n:
             return 0
         got = await self.async_engine.call(self.engine.load_prefix, req.kv_block_keys[:n], kv[:n])

@@ -12,14 +12,21 @@ Lifecycle of a request in this service:
      the engine, which computes only the uncached tokens.
   2. Engine ``waiting`` -> a prefill step computes the prompt's KV and samples
      the first token (finish reason ``handoff``, or ``stop``/``length`` when
-     the first token already ends it).
+     the first token already ends it). Hybrid sliding-window models: the
+     stored blocks hold the full layers only; the engine restores the window
+     layers' state from its SWA state cache or rebuilds it by bounded replay
+     (or recomputes, ``swa_replay`` "exact"): ``TokenChunk.prefix_path`` and
+     the ``prefill.prefix`` span's attributes say which (TECHNIQUES §5).
   3. The first token is published on the request's stream subject at once (TTFT).
   4. The prompt's KV blocks are written to the storage tier (also when the first
-     token already ended the request: then its full blocks only): full blocks under
-     their prefix hash (skipped when already there; announced to the kvindex
-     as stored), the partial last block under an ephemeral key. A write that
-     fails (storage full, read-only) is skipped: the blocks are then handed
-     off as a recompute (decode finds them missing), serving goes on.
+     token already ended the request: then its full blocks only): full, exact blocks
+     under their prefix hash (skipped when already there; announced to the kvindex
+     as stored; hybrid models: their full layers only), the partial last block,
+     blocks computed after a bounded replay and (hybrid models) the window layers'
+     blocks of the prompt's last window under ephemeral keys, for the handoff only
+     (``engine.kv_layout``). A write that fails (storage full, read-only) is
+     skipped: the blocks are then handed off as a recompute (decode finds them
+     missing), serving goes on.
   5. ``DecodeRequest`` to the decode worker the gateway chose
      (``PrefillRequest.decode_worker``: ``deepinfer.decode.<worker_id>.submit``),
      else, or if that one refuses or does not answer in ``TARGET_HANDOFF_TIMEOUT_S``,
@@ -43,6 +50,7 @@ import asyncio
 from collections import OrderedDict
 
 import torch
+from opentelemetry import context as otel_context
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
@@ -51,7 +59,7 @@ from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
 from deepinfer.protocol import (AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, TokenChunk,
                                 subjects)
-from deepinfer.telemetry import get_logger
+from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
@@ -70,6 +78,7 @@ class PrefillService(EngineWorker):
         # (request id, attempt or -1 = any) aborted before they arrived
         self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
+        self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
 
     async def setup(self) -> None:
         self.start_engine()
@@ -94,12 +103,13 @@ class PrefillService(EngineWorker):
         if req.request_id in self.requests:  # a second copy would stream its first token twice
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
         try:
-            self.engine.check_request(req.prompt_token_ids)
+            self.engine.check_request(req.prompt_token_ids, sampling=req.sampling)
         except RequestError as e:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
         # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
         # ``admit`` resumes (the engine steps at once), and would be dropped as aborted.
         self.requests[req.request_id] = req
+        self.trace_contexts[req.request_id] = otel_context.get_current()
         self.spawn(self.admit(req))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
@@ -118,6 +128,7 @@ class PrefillService(EngineWorker):
             )
         except Exception as e:  # checked in on_submit: an engine failure
             self.requests.pop(req.request_id, None)
+            self.trace_contexts.pop(req.request_id, None)
             log.warning("prefill_admit_failed", request_id=req.request_id, error=str(e))
             await self.mesh.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
@@ -130,6 +141,7 @@ class PrefillService(EngineWorker):
         running = self.requests.get(msg.request_id)
         if running is not None and msg.attempt in (-1, running.attempt):
             del self.requests[msg.request_id]
+            self.trace_contexts.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
         else:  # not here (yet), or another attempt: refuse it if its submit arrives late
             self.aborted[(msg.request_id, msg.attempt)] = None
@@ -141,6 +153,7 @@ class PrefillService(EngineWorker):
             req = self.requests.pop(out.request_id, None)
             if req is None:  # aborted meanwhile
                 continue
+            self.record_prefix_path(req, out)
             self.spawn(self.finish(req, out))
 
     def spawn(self, coro) -> None:
@@ -172,8 +185,9 @@ class PrefillService(EngineWorker):
         keys = hashes[local:stored]
         e = self.engine
         cfg = e.model_config
-        staging = torch.empty(len(keys), cfg.num_hidden_layers, 2, bs, cfg.num_key_value_heads, cfg.head_dim,
-                              dtype=e.runner.kv_cache.dtype)
+        # hybrid sliding-window models store their full layers only (``engine.kv_layout``)
+        staging = torch.empty(len(keys), len(e.kv_layout.full_layers), 2, bs, cfg.num_key_value_heads,
+                              cfg.head_dim, dtype=e.runner.kv_cache.dtype)
         got = await self.async_store.read_prefix_into(keys, req.traffic_class, staging)
         if got < len(keys):  # the index named a block the tier no longer has (or a corrupt one)
             await self.index.publish_removed([keys[got]], req.traffic_class)
@@ -182,10 +196,23 @@ class PrefillService(EngineWorker):
             self.num_loaded_blocks += got
         return got
 
+    def record_prefix_path(self, req: PrefillRequest, out: StepOutput) -> None:
+        """A ``prefill.prefix`` span in the request's trace: how its cached prefix was reused."""
+        ctx = self.trace_contexts.pop(req.request_id, None)
+        with tracer().start_as_current_span("prefill.prefix", context=ctx) as span:
+            span.set_attributes({
+                "deepinfer.request_id": req.request_id,
+                "deepinfer.prefix.path": out.prefix_path,
+                "deepinfer.prefix.cached_tokens": out.num_cached_tokens,
+                "deepinfer.prefix.replayed_tokens": out.num_replayed_tokens,
+                "deepinfer.prompt_tokens": out.num_prompt_tokens,
+            })
+
     async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
                            worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
-                           num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs())
+                           num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs(),
+                           prefix_path=out.prefix_path, num_replayed_tokens=out.num_replayed_tokens)
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
             await self.mesh.publish(req.stream_subject, chunk)
@@ -197,7 +224,7 @@ class PrefillService(EngineWorker):
             return
         await self.mesh.publish(req.stream_subject, chunk)
         try:
-            keys = await self.store_and_announce(req, out)
+            keys, window_keys = await self.store_and_announce(req, out)
             if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
                 return
@@ -205,7 +232,8 @@ class PrefillService(EngineWorker):
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=out.new_token_ids, sampling=req.sampling, stream_subject=req.stream_subject,
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
-                traffic_class=req.traffic_class, cache_salt=req.cache_salt,
+                traffic_class=req.traffic_class, cache_salt=req.cache_salt, window_block_keys=window_keys,
+                num_exact_blocks=out.num_exact_blocks if out.num_exact_blocks < len(keys) else -1,
             )
             reply = await self.hand_off(req, handoff)
             if not reply.accepted:
@@ -233,38 +261,53 @@ class PrefillService(EngineWorker):
             log.info("decode_target_fallback", request_id=req.request_id, worker=req.decode_worker, reason=why)
         return await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
 
-    async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> list[str]:
+    async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
-        (in the background); returns the keys of all blocks in order."""
-        keys, stored = await asyncio.get_running_loop().run_in_executor(self.io, self.store_blocks, req, out)
+        (in the background); returns the keys of all blocks and of their window parts."""
+        keys, window_keys, stored = await asyncio.get_running_loop().run_in_executor(
+            self.io, self.store_blocks, req, out)
         if stored:
-            block_bytes = out.kv_blocks[0].numel() * out.kv_blocks.element_size()
+            block = self.engine.kv_layout.full_part(out.kv_blocks[0])
+            block_bytes = block.numel() * block.element_size()
             self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes, self.engine.config.block_size))
-        return keys
+        return keys, window_keys
 
-    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
-        """Write the prompt's KV blocks (runs on the I/O pool). Returns (keys of all blocks
-        in order, hashes of the full blocks now in the tier). A failed write is skipped
-        (decode then recomputes from tokens)."""
-        bs = self.engine.config.block_size
+    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str], list[str]]:
+        """Write the prompt's KV blocks (runs on the I/O pool): the first
+        ``out.num_exact_blocks`` whole blocks under their prefix hash, the others
+        (partial, or computed after a bounded replay) under ephemeral keys; for hybrid
+        sliding-window models only the full layers' part (``engine.kv_layout``) so,
+        and for a handoff each block's window part that holds KV under an ephemeral
+        key too. Returns (keys of all blocks in order, keys of their window parts
+        ("" = none; empty list for models without window layers), hashes of the
+        blocks now in the tier). A failed write is skipped (decode then recomputes)."""
+        bs, layout = self.engine.config.block_size, self.engine.kv_layout
         full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint,
-                            (req.cache_salt or "").encode())
-        keys, stored = [], []
+                            (req.cache_salt or "").encode())[: out.num_exact_blocks]
+        handoff = out.finish_reason == "handoff"
+        keys, window_keys, stored = [], [], []
         for i in range(out.kv_blocks.shape[0]):
+            block = layout.full_part(out.kv_blocks[i])
+            window_key = ""
             try:
                 if i < len(full):
                     key = full[i]
                     if not self.store.contains(key, req.traffic_class):
-                        self.store.put(key, out.kv_blocks[i], req.traffic_class, num_tokens=bs)
+                        self.store.put(key, block, req.traffic_class, num_tokens=bs)
                     stored.append(key)
                 else:
                     key = ephemeral_key(req.request_id, i)
-                    self.store.put(key, out.kv_blocks[i], EPHEMERAL)
+                    self.store.put(key, block, EPHEMERAL)
+                if layout.hybrid and handoff and i >= out.first_window_block:
+                    window_key = ephemeral_key(req.request_id, i, part="w")
+                    self.store.put(window_key, layout.window_part(out.kv_blocks[i]), EPHEMERAL)
             except OSError as e:
                 self.store.stats.write_errors += 1
                 log.warning("kv_store_write_failed", request_id=req.request_id, error=str(e))
             keys.append(key)
-        return keys, stored
+            if layout.hybrid:
+                window_keys.append(window_key)
+        return keys, window_keys, stored
 
     def busy(self) -> bool:
         return bool(self.requests or self._tasks)
