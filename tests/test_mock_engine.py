@@ -184,6 +184,40 @@ def test_a_prefill_that_ends_at_its_first_token_still_exports_its_whole_blocks(m
     assert short.step()[0].kv_blocks is None
 
 
+async def test_a_failing_step_ends_every_live_request_with_an_error_even_those_it_had_finished(model_dir):
+    """A step that raises after the scheduler took its finished requests out of the queues must
+    still end them (they would hang their clients otherwise)."""
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    engine = MockEngine(model_dir, EngineConfig(prefill_only=True), FAST)
+    real_update = engine.scheduler.update
+
+    def update_then_fail(*args):
+        real_update(*args)
+        raise RuntimeError("bookkeeping bug after the update")
+
+    engine.scheduler.update = update_then_fail
+    got: dict[str, str] = {}
+    done = asyncio.Event()
+
+    def on_outputs(outputs):
+        for out in outputs:
+            got[out.request_id] = out.finish_reason
+        if len(got) == 3:
+            done.set()
+
+    ae = AsyncEngine(engine, on_outputs)
+    ae.start()
+    try:
+        for i, n in enumerate((40, 70, 20)):
+            await ae.add_request(request_id=f"r{i}", prompt_token_ids=prompt(i, n), sampling=SP)
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        ae.stop()
+    assert got == {"r0": "error", "r1": "error", "r2": "error"}
+    assert engine.block_manager.num_used_blocks == 0
+
+
 # --- a mock mesh ---------------------------------------------------------------------------
 MESH_COST = "0.004,2e-5,1e-9,1e-7"
 MOCK_ARGS = ["--engine", "mock", "--mock-cost", MESH_COST, "--heartbeat-s", "0.5"]

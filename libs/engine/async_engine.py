@@ -27,6 +27,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # request id -> prompt tokens, for every request added and not finished (engine thread only):
+        # what a failed step must end, even a request the failing step had already taken out of the queues
+        self._live: dict[str, int] = {}
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -63,6 +66,7 @@ class AsyncEngine:
         kind, arg, fut = cmd
         if kind == "abort":
             self.engine.abort(arg)
+            self._live.pop(arg, None)
             return
         try:
             if kind == "call":
@@ -70,6 +74,7 @@ class AsyncEngine:
                 result = fn(*args)
             else:
                 result = self.engine.add_request(**arg)
+                self._live[arg["request_id"]] = len(arg["prompt_token_ids"])
             self._loop.call_soon_threadsafe(self._resolve, fut, None, result)
         except Exception as e:
             self._loop.call_soon_threadsafe(self._resolve, fut, e)
@@ -90,13 +95,16 @@ class AsyncEngine:
             except Exception:  # never kill the thread silently: fail the batch's requests
                 log.exception("engine_step_failed")
                 outputs = self._fail_all()
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self._live.pop(out.request_id, None)
             if outputs:
                 self._loop.call_soon_threadsafe(self.on_outputs, outputs)
 
     def _fail_all(self) -> list[StepOutput]:
-        sched = self.engine.scheduler
-        outs = []
-        for seq in list(sched.waiting) + list(sched.running):
-            self.engine.abort(seq.request_id)
-            outs.append(StepOutput(seq.request_id, [], "error", seq.num_prompt_tokens))
-        return outs
+        """End every live request with finish reason "error" (after a step raised): those in the
+        scheduler's queues and those the failed step had already finished but not yet reported."""
+        live = dict(self._live)
+        for seq in self.engine.fail_all():
+            live.setdefault(seq.request_id, seq.num_prompt_tokens)
+        return [StepOutput(request_id, [], "error", n) for request_id, n in live.items()]

@@ -339,6 +339,32 @@ class LLMEngine:
             bm._release(block_id)  # unreferenced, hashed: joins the free queue's tail
         return len(todo)
 
+    def fail_all(self) -> list[Sequence]:
+        """After a step raised: drop every request (queued, running, or in a launched step, even
+        one that step had already finished) and free all their KV blocks. Returns the dropped
+        sequences (finish reason "error"); the engine is then empty and usable."""
+        seqs = {id(s): s for s in (*self.scheduler.waiting, *self.scheduler.running)}
+        if self._inflight is not None:
+            step, future = self._inflight
+            self._inflight = None
+            try:  # let the forward thread finish writing before the blocks are reused
+                future.result()
+            except BaseException:  # noqa: BLE001 - failing anyway
+                pass
+            self._launched.append(step)
+        for step in self._launched:
+            seqs.update((id(s), s) for s in step.seqs)
+        self._launched.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        for seq in seqs.values():
+            seq.num_inflight_steps = seq.num_inflight_tokens = 0
+            if seq.block_table:
+                self.block_manager.free(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            self.generators.pop(seq.request_id, None)
+        return list(seqs.values())
+
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks; False if it is not here."""
         self.generators.pop(request_id, None)
@@ -488,8 +514,8 @@ class LLMEngine:
             pass
 
     def _finish(self, step: "_Step", result: SampleResult) -> list[StepOutput]:
-        """Apply a step's sampled tokens; outputs for sequences still live; free finished ones."""
-        self._forget_launched(step)
+        """Apply a step's sampled tokens; outputs for sequences still live; free finished ones.
+        (The step leaves ``_launched`` only at the end: if this raises, ``fail_all`` finds it.)"""
         sampled = dict(zip(step.sampling, result.token_ids))
         logprobs = dict(zip(step.sampling, result.logprobs))
         live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
@@ -509,6 +535,7 @@ class LLMEngine:
                 self._save_window_state(seq)
                 self.block_manager.free(seq)
                 self.generators.pop(seq.request_id, None)
+        self._forget_launched(step)
         return outputs
 
     def _export_kv(self, seq: Sequence, out: StepOutput) -> None:

@@ -238,6 +238,7 @@ class MockEngine(LLMEngine):
         num_blocks = max(2, config.kv_cache_bytes // self.block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
                                           config.enable_prefix_caching)
+        self.swa_cache = None  # no window layers: a hybrid model is mocked as full attention
         self.runner = MockRunner(config.block_size, num_blocks, allowed_tokens(model_dir, real),
                                  real.eos_token_ids, mock.eos_rate)
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)

@@ -215,6 +215,8 @@ class PrefillService(EngineWorker):
                            prefix_path=out.prefix_path, num_replayed_tokens=out.num_replayed_tokens)
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
+            if out.finish_reason == "error":
+                chunk.error = "prefill engine failed"
             await self.mesh.publish(req.stream_subject, chunk)
             if out.kv_blocks is not None:  # ended at its first token: its prompt is still worth reusing
                 try:
