@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark clients").add_subparsers(dest="bench", required=True)
     replay.add_arguments(bench.add_parser("replay", help="replay a Mooncake-format trace through a gateway",
-                                          description=replay.__doc__.split("\n\n")[0]))
+                                          description=replay.DESCRIPTION))
     return p
 
 
@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from deepinfer.bench import replay
 
-        replay.run(args)
-        return 0
+        return replay.cli(args)
     return 2  # unreachable: subcommand is required
 
 

@@ -75,3 +75,48 @@ def test_scaling_keeps_prefix_structure_and_equal_ids_give_equal_tokens(tmp_path
     bad.write_text('{"timestamp": 0}\n')
     with pytest.raises(ValueError, match="missing"):
         load_mooncake(bad)
+
+
+def test_bad_trace_lines_are_named_by_file_and_line(tmp_path):
+    cases = {'{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{oops\n': ":2: not JSON",
+             "[1, 2]\n": ":1: expected a JSON object",
+             '{"timestamp": "x", "input_length": 1, "output_length": 1, "hash_ids": [1]}\n': ":1: timestamp",
+             '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": []}\n': ":1: timestamp"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"t{i}.jsonl"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_mooncake(path)
+
+
+def test_ideals_count_only_served_requests(tmp_path):
+    """A rejected request stores nothing: the request after it cannot hit its prefix, so the ideals
+    (like the measurement) leave it out."""
+    from deepinfer.bench.replay import report
+
+    reqs = scale_trace(ROWS[:2], block_tokens=16)
+    rejected = RequestResult(sent=0.0, end=0.1, status=429, error="busy")
+    served = RequestResult(sent=0.5, token_times=[0.7], end=0.8, prompt_tokens=41, output_tokens=1, status=200)
+    s = report(ROWS[:2], reqs, [rejected, served], 1.0, 16, 16, [], 5.0, 0.5)
+    assert s["hit_rate"] == {"measured": 0.0, "ideal_engine": 0.0, "ideal_trace": 0.0}
+    assert s["errors"] == {"HTTP 429: busy": 1}
+    both = report(ROWS[:2], reqs, [served, served], 1.0, 16, 16, [], 5.0, 0.5)
+    assert both["hit_rate"]["ideal_engine"] == pytest.approx(32 / (32 + 41))
+
+
+def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from deepinfer.bench.replay import main
+
+    for flags in (["--time-scale", "0"], ["--prefill", "0"], ["--max-requests", "-1"], ["--block-tokens", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(flags)
+        assert e.value.code == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["--trace", str(empty)]) == 2  # before any mesh is started
+    assert "the trace has no requests" in capsys.readouterr().err
+    assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps(ROWS[0]) + "\n")
+    assert main(["--trace", str(trace), "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "o")]) == 2
+    assert "error: ConnectError" in capsys.readouterr().err

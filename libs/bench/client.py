@@ -34,6 +34,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
                 res.error = text[:2000] or f"HTTP {resp.status_code}"  # the API's error body
                 if "retry-after" in resp.headers:
                     res.retry_after_s = float(resp.headers["retry-after"])
+                res.end = time.perf_counter() - clock0
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

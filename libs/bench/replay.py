@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -78,6 +79,10 @@ class LoadWatcher:
         if self._nc is not None:
             await self._nc.drain()
 
+    def kv_block_size(self) -> int | None:
+        """The workers' KV block size (tokens) from their reports, if any reported one."""
+        return next((r.block_size for r in self.last.values() if r.block_size), None)
+
     def per_worker(self) -> list[dict]:
         """Per worker, what it did between its first and latest report heard."""
         rows = []
@@ -126,19 +131,31 @@ async def replay(url: str, model: str, reqs: list[TraceRequest], prompts: list[l
     return list(results), max(duration, 1e-9)
 
 
-def report(reqs: list[TraceRequest], results: list[RequestResult], duration_s: float, trace_ideal: float,
+def report(rows: list[dict], reqs: list[TraceRequest], results: list[RequestResult], duration_s: float,
            block_tokens: int, kv_block_size: int, workers: list[dict], slo_ttft_s: float,
            slo_tpot_s: float) -> dict:
-    """The replay's summary: ``metrics.summarize`` plus hit rates (measured, ideal) and workers."""
+    """The replay's summary: ``metrics.summarize`` plus hit rates and workers.
+
+    Both ideal hit rates are taken over the completed requests only, in arrival order (a
+    rejected or failed request stores nothing, so it cannot make a later one hit): the
+    engine's (``ideal_engine_hits`` on the scaled prompts, ``kv_block_size``-token blocks) and
+    the trace's own (``ideal_hit_rate`` on the raw rows: 512-token blocks, unscaled, uncapped).
+    ``rows[i]`` is the raw row of ``reqs[i]``."""
     summary = summarize(results, duration_s, slo_ttft_s, slo_tpot_s)
-    ideal = ideal_engine_hits(reqs, block_tokens, kv_block_size)
     done = [i for i, r in enumerate(results) if r.ok]
-    prompt = sum(reqs[i].input_length for i in done)
+    served = [reqs[i] for i in done]
+    prompt = sum(q.input_length for q in served)
     summary["hit_rate"] = {
         "measured": summary["cached_share"],
-        "ideal_engine": sum(ideal[i] for i in done) / prompt if prompt else 0.0,
-        "ideal_trace": trace_ideal,
+        "ideal_engine": sum(ideal_engine_hits(served, block_tokens, kv_block_size)) / prompt if prompt else 0.0,
+        "ideal_trace": ideal_hit_rate([rows[i] for i in done]),
     }
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            why = f"HTTP {r.status}: " if r.status else ""
+            errors[why + (r.error or "no output")[:160]] = errors.get(why + (r.error or "no output")[:160], 0) + 1
+    summary["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1]))
     summary["duration_s"] = duration_s
     summary["slo"] = {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}
     summary["workers"] = workers
@@ -169,6 +186,8 @@ def format_table(s: dict) -> str:
                          f"{w['busy_s']:>10.1f}{w['steps']:>8}")
         for role, b in s.get("balance", {}).items():
             lines.append(f"{role} balance: busiest worker {b['busy_max_over_mean']:.2f}x the mean busy time")
+    for why, n in list(s.get("errors", {}).items())[:5]:
+        lines.append(f"failed x{n}: {why}")
     k = s.get("kv_index")
     if k:
         lines.append(f"kvindex: {k['num_blocks']} blocks, {k['events_applied']} events applied, {k['gaps']} gaps, "
@@ -200,10 +219,24 @@ def plot_ttft(results: list[RequestResult], path: Path, slo_ttft_s: float) -> No
     ax.set_xlabel("arrival (s since start)")
     ax.set_ylabel("TTFT (s, log scale)")
     ax.set_title(f"Trace replay: TTFT over time ({len(pts)} requests)")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return n
+
+
+def _positive_float(text: str) -> float:
+    x = float(text)
+    if not x > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return x
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,22 +244,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="a running gateway (default: start a mock mesh)")
     p.add_argument("--nats-url", default=None, help="that mesh's NATS, for the per-worker table (with --url)")
     p.add_argument("--model", default=None, help="model name to send (default: the gateway's first /v1/models)")
-    p.add_argument("--prefill", type=int, default=8, help="mock prefill workers to start (without --url)")
-    p.add_argument("--decode", type=int, default=8, help="mock decode workers to start (without --url)")
+    p.add_argument("--prefill", type=_positive_int, default=8, help="mock prefill workers to start (without --url; default 8)")
+    p.add_argument("--decode", type=_positive_int, default=8, help="mock decode workers to start (without --url; default 8)")
     p.add_argument("--mock-cost", default=None, help="timing model a,b,d,e for the mock workers (s)")
     p.add_argument("--prefill-router", default=None, help="the gateway's --prefill-router (without --url)")
-    p.add_argument("--gateway-arg", action="append", default=[], help="more gateway arguments (without --url)")
-    p.add_argument("--time-scale", type=float, default=0.25, help="arrival times x this (default 0.25)")
-    p.add_argument("--block-tokens", type=int, default=16,
+    p.add_argument("--gateway-arg", action="append", default=[],
+                   help="one more gateway argument (without --url; repeat it, e.g. --gateway-arg=--ttft-slo-s=2)")
+    p.add_argument("--time-scale", type=_positive_float, default=0.25, help="arrival times x this (default 0.25)")
+    p.add_argument("--block-tokens", type=_positive_int, default=16,
                    help="tokens per 512-token trace block: length scale = this / 512 (default 16)")
-    p.add_argument("--output-scale", type=float, default=0.125, help="output lengths x this (default 0.125)")
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--max-input-tokens", type=int, default=None, help="cap scaled prompts at N tokens")
+    p.add_argument("--output-scale", type=_positive_float, default=0.125, help="output lengths x this (default 0.125)")
+    p.add_argument("--max-requests", type=_positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--max-input-tokens", type=_positive_int, default=None, help="cap scaled prompts at N tokens")
     p.add_argument("--traffic-class", default=None, help="traffic_class field to send (default: the gateway's)")
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="TTFT SLO for goodput, seconds (default 5)")
-    p.add_argument("--slo-tpot", type=float, default=0.5, help="TPOT SLO for goodput, seconds (default 0.5)")
-    p.add_argument("--out", type=Path, default=Path("replay-out"), help="directory for replay.json and the PNG")
-    p.add_argument("--timeout", type=float, default=600, help="per-request timeout, seconds")
+    p.add_argument("--slo-ttft", type=_positive_float, default=5.0, help="TTFT SLO for goodput, seconds (default 5)")
+    p.add_argument("--slo-tpot", type=_positive_float, default=0.5, help="TPOT SLO for goodput, seconds (default 0.5)")
+    p.add_argument("--out", type=Path, default=Path("replay-out"),
+                   help="directory for replay.json and the PNG (default: replay-out)")
+    p.add_argument("--timeout", type=_positive_float, default=600,
+                   help="seconds a request may wait for its next bytes (httpx read timeout; default 600)")
     p.add_argument("--workdir", default=None, help="the started mesh's logs / KV blocks (default: a temporary dir)")
 
 
@@ -239,10 +275,10 @@ async def _model_name(url: str) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """Run a replay as the command line describes; returns the summary (also written to ``--out``)."""
-    rows = load_mooncake(args.trace)
-    reqs = scale_trace(rows, args.time_scale, args.block_tokens, args.output_scale, args.max_requests,
-                       args.max_input_tokens)
-    trace_ideal = ideal_hit_rate(rows[:args.max_requests] if args.max_requests else rows)
+    rows = load_mooncake(args.trace)[:args.max_requests]
+    if not rows:
+        raise ValueError(f"{args.trace}: the trace has no requests")
+    reqs = scale_trace(rows, args.time_scale, args.block_tokens, args.output_scale, None, args.max_input_tokens)
     maker = PromptMaker(args.block_tokens)
     prompts = [maker.prompt(r) for r in reqs]
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -260,13 +296,13 @@ def run(args: argparse.Namespace) -> dict:
     else:
         url, nats_url = args.url, args.nats_url
     try:
-        return asyncio.run(_run(args, url, nats_url, reqs, prompts, trace_ideal, say))
+        return asyncio.run(_run(args, url, nats_url, rows, reqs, prompts, say))
     finally:
         if mesh is not None:
             mesh.stop()
 
 
-async def _run(args, url, nats_url, reqs, prompts, trace_ideal, say) -> dict:
+async def _run(args, url, nats_url, rows, reqs, prompts, say) -> dict:
     model = args.model or await _model_name(url)
     watcher = LoadWatcher(nats_url) if nats_url else None
     if watcher:
@@ -289,26 +325,59 @@ async def _run(args, url, nats_url, reqs, prompts, trace_ideal, say) -> dict:
         workers = watcher.per_worker()
         kv_index = await watcher.kv_index_health()
         await watcher.stop()
-    summary = report(reqs, results, duration, trace_ideal, args.block_tokens, 16, workers, args.slo_ttft,
+    block_size = watcher.kv_block_size() if watcher else None
+    summary = report(rows, reqs, results, duration, args.block_tokens, block_size or 16, workers, args.slo_ttft,
                      args.slo_tpot)
     summary["kv_index"] = kv_index
-    summary["args"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
+    summary["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                       if k not in ("func", "command", "bench")}
     args.out.mkdir(parents=True, exist_ok=True)
     per_request = [{"arrival_s": q.arrival_s, "input_length": q.input_length, "output_length": q.output_length,
                     **{k: v for k, v in asdict(r).items() if k != "token_times"},
                     "ttft_s": r.ttft if r.ok else None} for q, r in zip(reqs, results)]
-    (args.out / "replay.json").write_text(json.dumps({"summary": summary, "requests": per_request}, indent=1))
+    (args.out / "replay.json").write_text(json.dumps(_no_nan({"summary": summary, "requests": per_request}),
+                                                     indent=1, allow_nan=False))
     plot_ttft(results, args.out / "ttft_over_time.png", args.slo_ttft)
     print(format_table(summary))
     say(f"wrote {args.out / 'replay.json'} and {args.out / 'ttft_over_time.png'}")
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="deepinfer bench replay", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    run(p.parse_args(argv))
+def _no_nan(x):
+    """``x`` with every float NaN (an empty distribution) as None, so the file is strict JSON."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def cli(args: argparse.Namespace) -> int:
+    """``run`` for the command line: a one-line error (exit 2) for bad input or an unreachable
+    gateway, exit 1 when no request completed, else 0."""
+    from deepinfer.launcher import LauncherError
+
+    try:
+        summary = run(args)
+    except (ValueError, OSError, httpx.HTTPError, LauncherError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if summary["requests"]["completed"] == 0:
+        print("error: no request completed (reasons above and in replay.json)", file=sys.stderr)
+        return 1
     return 0
+
+
+DESCRIPTION = ("Replay a Mooncake-format trace through the gateway, against mock workers it starts "
+               "(or --url), and report cache hit rate vs the ideal, latency percentiles and load balance.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deepinfer bench replay", description=DESCRIPTION)
+    add_arguments(p)
+    return cli(p.parse_args(argv))
 
 
 if __name__ == "__main__":

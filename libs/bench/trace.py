@@ -40,16 +40,29 @@ class TraceRequest:
 def load_mooncake(path: str | Path) -> list[dict]:
     """The raw rows of a Mooncake-format JSON-lines trace, in file order.
 
-    Raises ValueError on a row without ``timestamp``, ``input_length``,
-    ``output_length`` and ``hash_ids``."""
+    Raises ValueError (with the file and line) on a line that is not a JSON object with
+    numeric ``timestamp``, ``input_length``, ``output_length`` >= 0 and a non-empty list of
+    integer ``hash_ids``; OSError when the file cannot be read."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object")
         missing = {"timestamp", "input_length", "output_length", "hash_ids"} - row.keys()
         if missing:
             raise ValueError(f"{path}:{n}: missing {sorted(missing)}")
+        ok = (all(isinstance(row[k], (int, float)) and row[k] >= 0 for k in ("timestamp", "input_length",
+                                                                              "output_length"))
+              and isinstance(row["hash_ids"], list) and row["hash_ids"]
+              and all(isinstance(h, int) for h in row["hash_ids"]))
+        if not ok:
+            raise ValueError(f"{path}:{n}: timestamp / input_length / output_length must be numbers >= 0 "
+                             "and hash_ids a non-empty list of integers")
         rows.append(row)
     return rows
 
