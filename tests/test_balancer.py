@@ -203,7 +203,9 @@ async def test_workers_stats_reach_the_balancer_and_its_placement_reaches_every_
         assert update.model == model_id(moe_dir) and update.version == 1 and update.policy == "global"
         assert update.imbalance_after < update.imbalance_before
         await eventually(lambda: all(w.engine.model.expert_placement_version >= 1 for w in workers))
-        version = max(m.version for m in seen if isinstance(m, ExpertPlacementUpdate))
+        balancer.config.threshold = 0  # no more rebalancing from here (period_s is 0 too): a fixed placement
+        await asyncio.sleep(3 * balancer.config.window_s)  # a tick in progress publishes
+        version = balancer.models[update.model].version
         await eventually(lambda: all(w.engine.model.expert_placement_version == version for w in workers))
         placement = workers[0].engine.model.expert_placement()
         assert placement.num_slots == 12 and placement.num_ranks == 4
@@ -235,6 +237,18 @@ async def test_workers_stats_reach_the_balancer_and_its_placement_reaches_every_
         await late.start()
         assert late.engine.model.expert_placement_version == version
         assert torch.equal(late.engine.model.expert_placement().phy2log, placement.phy2log)
+
+        # a placement that does not fit the model (4 experts) or is inconsistent is refused, serving goes on
+        bad = ExpertPlacement.identity(L, 4, 2).to_lists()
+        await client.publish(subjects.EXPERTS_PLACEMENT, ExpertPlacementUpdate(
+            model=update.model, version=version + 1, phy2log=bad["phy2log"], log2phy=bad["log2phy"],
+            logcnt=bad["logcnt"], num_ranks=2))
+        await client.publish(subjects.EXPERTS_PLACEMENT, ExpertPlacementUpdate(
+            model=update.model, version=version + 2, phy2log=[[0] * 12] * L, log2phy=[[[0]] * E] * L,
+            logcnt=[[1] * E] * L, num_ranks=4))
+        assert await generate(client, "decode-t2", ps, "c2") == first[0]
+        await eventually(lambda: all(w.experts.refused == 2 for w in [*workers, late]))
+        assert all(w.engine.model.expert_placement_version == version for w in [*workers, late])
     finally:
         for w in [*workers, late]:
             if w is not None:

@@ -86,6 +86,7 @@ class ExpertLink:
         self.mesh: MeshClient | None = None
         self.async_engine: AsyncEngine | None = None
         self.replica_bytes = 0
+        self.refused = 0  # placements that did not fit the model or were inconsistent
         self.window_start = time.monotonic()
         self._lock = asyncio.Lock()  # one placement or report at a time
         self._task: asyncio.Task | None = None
@@ -113,9 +114,11 @@ class ExpertLink:
             try:
                 placement = ExpertPlacement.from_lists(msg.phy2log, msg.log2phy, msg.logcnt, msg.num_ranks,
                                                        msg.version)
+                self.model.check_expert_placement(placement)  # before the counters are taken
                 t0 = time.perf_counter()
                 stats, copied = await self.async_engine.call(self.engine.between_steps, self._swap, placement)
             except ValueError as e:
+                self.refused += 1
                 log.error("expert_placement_refused", version=msg.version, error=str(e))
                 return
             log.info("expert_placement_applied", version=msg.version, slots_copied=copied,

@@ -307,16 +307,21 @@ class MoECounters:
                                torch.stack([b.logcnt for b in blocks]), blocks[0].num_ranks,
                                self.expert_placement_version)
 
+    def check_expert_placement(self, placement: ExpertPlacement) -> None:
+        """Raise ValueError unless the placement has this model's MoE layers and experts."""
+        blocks = self.moe_blocks()
+        if (placement.num_layers, placement.num_experts) != (len(blocks), blocks[0].num_experts):
+            raise ValueError(f"placement for {placement.num_layers} MoE layers x {placement.num_experts} experts; "
+                             f"the model has {len(blocks)} x {blocks[0].num_experts}")
+
     def apply_expert_placement(self, placement: ExpertPlacement) -> int:
         """Copy replica weights into their slots, then swap each layer's routing table (see
         ``MoEBlock.apply_placement``; counters are reset: take them first). Returns the number
         of slots copied. Raises ValueError when the placement's layers or experts do not match
         the model. Not thread-safe: run it between forward passes.
         """
+        self.check_expert_placement(placement)
         blocks = self.moe_blocks()
-        if (placement.num_layers, placement.num_experts) != (len(blocks), blocks[0].num_experts):
-            raise ValueError(f"placement for {placement.num_layers} MoE layers x {placement.num_experts} experts; "
-                             f"the model has {len(blocks)} x {blocks[0].num_experts}")
         copied = sum(b.apply_placement(placement.phy2log[i], placement.log2phy[i], placement.logcnt[i],
                                        placement.num_ranks) for i, b in enumerate(blocks))
         self.reset_expert_counts()

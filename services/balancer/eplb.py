@@ -168,17 +168,18 @@ def keep_slots(phy2log: torch.Tensor, current: torch.Tensor, num_ranks: int, num
     for layer in range(num_layers):
         new_ranks = phy2log[layer].view(num_ranks, per_rank)
         old_ranks = current[layer].view(num_ranks, per_rank)
-        shared = torch.minimum(held(new_ranks)[:, None], held(old_ranks)[None]).sum(2)  # [new rank, old rank]
+        shared = torch.minimum(held(new_ranks)[:, None], held(old_ranks)[None]).sum(2).tolist()  # [new, old]
+        new_lists, old_lists = new_ranks.tolist(), old_ranks.tolist()
         for node in range(num_nodes):
             ranks = range(node * per_node, (node + 1) * per_node)
-            pairs = sorted(((-int(shared[a, b]), a, b) for a in ranks for b in ranks))
+            pairs = sorted(((-shared[a][b], a, b) for a in ranks for b in ranks))
             free_new, free_old = set(ranks), set(ranks)
             for _, a, b in pairs:  # a's experts go to old rank b's slots
                 if a in free_new and b in free_old:
                     free_new.discard(a)
                     free_old.discard(b)
-                    experts, row = new_ranks[a].tolist(), []
-                    for e in old_ranks[b].tolist():  # an expert it holds now keeps its slot
+                    experts, row = list(new_lists[a]), []
+                    for e in old_lists[b]:  # an expert it holds now keeps its slot
                         row.append(e if e in experts else None)
                         if e in experts:
                             experts.remove(e)
