@@ -174,9 +174,9 @@ def main() -> None:
             apply_ms = (time.perf_counter() - t0) * 1e3
             _, after_same, same_tokens, _ = run(engine, planning, args)
             _, after_fresh, fresh_tokens, _ = run(engine, fresh, args)
-            for traffic, before, after, ok in (("same (stationary)", before_same, after_same, same_tokens == tokens_same),
-                                               ("fresh (held out)", before_fresh, after_fresh,
-                                                fresh_tokens == tokens_fresh)):
+            for traffic, before, after, ok in (
+                    ("same (stationary)", before_same, after_same, same_tokens == tokens_same),
+                    ("fresh (held out)", before_fresh, after_fresh, fresh_tokens == tokens_fresh)):
                 b, a = ratio(before), ratio(after)
                 print(f"{name:<34}{traffic:<22}{b[0]:>12.3f}{b[1]:>8.3f}{a[0]:>12.3f}{a[1]:>8.3f}{str(ok):>13}")
             rows.append((name, tracker.imbalance_before, tracker.predicted_imbalance(), copied, apply_ms))

@@ -168,7 +168,11 @@ class ExpertLink:
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.stats_s)
-            async with self._lock:
-                stats = await self.async_engine.call(self.engine.between_steps, self._take)
+            try:
+                async with self._lock:
+                    stats = await self.async_engine.call(self.engine.between_steps, self._take)
+            except Exception:  # never let one failed read stop the reports
+                log.exception("expert_stats_failed")
+                continue
             if stats is not None:
                 await self._publish(stats)
