@@ -16,14 +16,16 @@ Measured, each on its own engine, for turn 2:
   reloaded from the tier) restores the window state from its SWA state cache.
 
 Prefill compute = tokens fed through the model until the first token
-(token-forwards) and the wall time of those steps (the better of two runs of
-each path: this machine is shared, so the load average is printed too). Accuracy against the cold
+(token-forwards), and the wall and CPU time of those steps (the better of two
+runs of each path). One torch thread by default: on this shared 2-core machine
+two OpenMP threads slowed down ~10x whenever another process took a core,
+while one thread's CPU time stays put (the load average is printed too). Accuracy against the cold
 run over 64 greedy tokens: free-running agreement (positions equal, and the
 length of the common prefix), and teacher-forced (the cold run's tokens fed):
 top-1 agreement and the mean KL(cold || path) of the next-token distributions.
 Storage: bytes per block with every layer vs the full layers only.
 
-Run: ``.venv/bin/python benchmarks/bench_swa_replay.py`` (about 5-10 minutes on 2
+Run: ``.venv/bin/python benchmarks/bench_swa_replay.py`` (about 15 minutes on 2
 CPU cores; ``--lengths 2048`` for a quick look).
 """
 
@@ -90,7 +92,7 @@ def generate(engine: LLMEngine, ids: list[int], mode: str | None, recorder: Reco
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, swa_replay=mode)
         before = engine.num_computed_tokens_total
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         engine.add_request("r", ids, sp)
         tokens, first = [], None
         while engine.has_unfinished():
@@ -98,11 +100,12 @@ def generate(engine: LLMEngine, ids: list[int], mode: str | None, recorder: Reco
                 if first is None:
                     first = o
                     prefill_s = time.perf_counter() - t0
+                    prefill_cpu = time.process_time() - c0
                     forwards = engine.num_computed_tokens_total - before
                 tokens += o.new_token_ids
     finally:
         llm_engine.sample = REAL_SAMPLE
-    return {"forwards": forwards, "seconds": prefill_s, "path": first.prefix_path, "tokens": tokens,
+    return {"forwards": forwards, "seconds": prefill_s, "cpu": prefill_cpu, "path": first.prefix_path, "tokens": tokens,
             "replayed": first.num_replayed_tokens}
 
 
@@ -122,7 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="2048,4096,8192", help="cached prefix lengths H, tokens (multiples of 16)")
     ap.add_argument("--chunk", type=int, default=2048, help="max tokens per prefill step (default 2048)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see above)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -167,7 +170,8 @@ def main() -> None:
             cold_rec = Recorder()
             cold = generate(LLMEngine(path, cfg), turn2, None, cold_rec)
             again = generate(LLMEngine(path, cfg), turn2, None, Recorder(forced=cold["tokens"]))
-            cold["seconds"] = min(cold["seconds"], again["seconds"])
+            for key in ("seconds", "cpu"):
+                cold[key] = min(cold[key], again[key])
             res = {"no cache": cold}
             for name, mode in (("exact", "exact"), ("bounded", "bounded"), ("swa cache", None)):
                 runs = []
@@ -181,7 +185,8 @@ def main() -> None:
                     rec = Recorder(forced=forced)
                     runs.append(generate(engine, turn2, mode, rec))
                 res[name] = runs[0]
-                res[name]["seconds"] = min(r["seconds"] for r in runs)
+                for key in ("seconds", "cpu"):
+                    res[name][key] = min(r[key] for r in runs)
                 res[name]["kl"] = kl(cold_rec.logps, rec.logps)
                 res[name]["top1"] = sum(int(q.argmax()) == t for q, t in zip(rec.logps, cold["tokens"]))
             rows.append((h, len(turn2), res, stored, file_bytes, len(hashes)))
@@ -192,25 +197,29 @@ def main() -> None:
 
 def print_one(h: int, n: int, res: dict, window: int) -> None:
     print(f"\nH = {h} cached tokens, prompt {n} tokens (W = {window}):")
-    print(f"  {'path':<10} {'taken':<16} {'forwards':>8} {'prefill s':>9} {'greedy =':>9} {'common':>6} "
+    print(f"  {'path':<10} {'taken':<16} {'forwards':>8} {'wall s':>7} {'cpu s':>7} {'greedy =':>9} {'common':>6} "
           f"{'top-1 (TF)':>10} {'mean KL':>10}")
     cold = res["no cache"]
     for name, r in res.items():
         same, prefix = agreement(cold["tokens"], r["tokens"])
         tf = f"{r['top1']}/{NEW_TOKENS}" if "top1" in r else "-"
         k = f"{r['kl']:.2e}" if "kl" in r else "-"
-        print(f"  {name:<10} {r['path']:<16} {r['forwards']:>8} {r['seconds']:>9.2f} {same:>5}/{NEW_TOKENS} "
-              f"{prefix:>6} {tf:>10} {k:>10}")
+        print(f"  {name:<10} {r['path']:<16} {r['forwards']:>8} {r['seconds']:>7.2f} {r['cpu']:>7.2f} "
+              f"{same:>5}/{NEW_TOKENS} {prefix:>6} {tf:>10} {k:>10}")
 
 
 def print_summary(rows, all_bytes: int, layout) -> None:
     print("\nBounded replay vs exact recompute vs no cache (prefill until the first token):")
     for h, n, res, stored, file_bytes, nblocks in rows:
         b, e, c = res["bounded"], res["exact"], res["no cache"]
-        print(f"  H={h:>5}: token-forwards {b['forwards']} vs {e['forwards']} exact ({1 - b['forwards'] / e['forwards']:.1%} "
-              f"less) vs {c['forwards']} no cache; wall {b['seconds']:.2f} s vs {e['seconds']:.2f} s exact "
-              f"({1 - b['seconds'] / e['seconds']:.1%} less) vs {c['seconds']:.2f} s no cache; "
-              f"swa cache {res['swa cache']['forwards']} forwards, {res['swa cache']['seconds']:.2f} s")
+        s = res["swa cache"]
+        print(f"  H={h:>5}: token-forwards {b['forwards']} vs {e['forwards']} exact "
+              f"({1 - b['forwards'] / e['forwards']:.1%} less) vs {c['forwards']} no cache;\n"
+              f"           wall {b['seconds']:.2f} s vs {e['seconds']:.2f} s exact "
+              f"({1 - b['seconds'] / e['seconds']:.1%} less) vs {c['seconds']:.2f} s no cache;\n"
+              f"           CPU {b['cpu']:.2f} s vs {e['cpu']:.2f} s exact ({1 - b['cpu'] / e['cpu']:.1%} less) "
+              f"vs {c['cpu']:.2f} s no cache;\n"
+              f"           swa cache {s['forwards']} forwards, {s['seconds']:.2f} s wall, {s['cpu']:.2f} s CPU")
     print("Accuracy of bounded replay against the cold run (64 greedy tokens):")
     for h, n, res, *_ in rows:
         same, prefix = agreement(res["no cache"]["tokens"], res["bounded"]["tokens"])
