@@ -287,6 +287,31 @@ def test_replayed_handoff_reaches_decode_with_window_parts_and_exact_blocks_only
     assert dec.cached_prefix_blocks(block_hashes(p2 + first + rest, BS, dec.fingerprint)) == n
 
 
+def test_the_prefix_path_is_a_trace_attribute(interleaved, texts, tmp_path, monkeypatch):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import deepinfer.prefill.service as prefill_service
+
+    path, _ = interleaved
+    _, p1, p2, _ = texts
+    store = BlockStore(tmp_path, engine(path).fingerprint)
+    _, hashes = store_prompt(path, store, p1)
+    b = engine(path, prefill_only=True)
+    load_from_store(b, store, hashes[: PREFIX // BS])
+    out = run(b, "r", p2, n=2)[1]
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(prefill_service, "tracer", lambda: provider.get_tracer("test"))
+    req = PrefillRequest("r", p2, SamplingParams(), "s")
+    PrefillService.record_prefix_path(SimpleNamespace(trace_contexts={}), req, out)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "prefill.prefix" and span.attributes["deepinfer.prefix.path"] == "bounded_replay"
+    assert span.attributes["deepinfer.prefix.replayed_tokens"] == WINDOW
+    assert span.attributes["deepinfer.prefix.cached_tokens"] == PREFIX - WINDOW
+
+
 def test_preempted_or_resumed_sequences_recompute_exactly(interleaved, texts, tmp_path):
     """A request with tokens already generated (resumed after a failure) never replays."""
     path, hf = interleaved
