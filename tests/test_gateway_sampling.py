@@ -308,3 +308,18 @@ async def test_completions_logprobs_have_the_legacy_shape(oai_client, gateway, s
                                                  stream=True)
     streamed = [t async for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
     assert streamed == lp.tokens
+
+
+def test_swa_replay_passes_from_the_request_to_the_workers_sampling_params():
+    """Issue #8: a request chooses bounded replay or exact recompute for a hybrid model's prefix."""
+    import pydantic
+
+    from deepinfer.gateway import openai_schema as oai
+    from deepinfer.gateway.chat import sampling_params
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for mode in ("bounded", "exact", None):
+        req = oai.ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "swa_replay": mode})
+        assert sampling_params(req, 10, 100).swa_replay == mode
+    with pytest.raises(pydantic.ValidationError):
+        oai.ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "swa_replay": "fast"})

@@ -263,6 +263,7 @@ def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        swa_replay=req.swa_replay,
     )
 
 

@@ -143,6 +143,10 @@ class SamplingRequest(_Strict):
     # DeepInfer: retention class of the prompt's KV in the storage tier (also the
     # X-Traffic-Class header); default "chat"
     traffic_class: str | None = None
+    # DeepInfer: hybrid sliding-window models, how a cached prefix's window state is rebuilt when it
+    # is not cached ("bounded" replay of the last window, approximate; "exact" recompute); None = the
+    # worker's --swa-replay
+    swa_replay: Literal["bounded", "exact"] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
