@@ -58,14 +58,20 @@ class Reports:
     async def close(self) -> None:
         await self.mc.close()
 
-    async def busiest(self, role: str, timeout: float = 10) -> LoadReport:
+    async def busiest(self, role: str, timeout: float = 10, busy: bool = False) -> LoadReport:
         """The ``role`` worker with the most requests (waits for a first report: the observer
-        may have subscribed after the last heartbeat)."""
+        may have subscribed after the last heartbeat; with ``busy``, for one that shows a
+        request: the reports heard first may predate the work)."""
+        best = None
         for _ in range(int(timeout * 20)):
             reports = [r for r in self.latest.values() if r.role == role]
             if reports:
-                return max(reports, key=lambda r: (r.active_requests + r.waiting_requests, r.worker_id))
+                best = max(reports, key=lambda r: (r.active_requests + r.waiting_requests, r.worker_id))
+                if not busy or best.active_requests + best.waiting_requests > 0:
+                    return best
             await asyncio.sleep(0.05)
+        if best is not None:
+            return best
         raise AssertionError(f"no {role} heartbeat within {timeout}s")
 
 
@@ -145,7 +151,7 @@ def test_decode_worker_killed_mid_stream_resumes_on_the_other_one_with_the_same_
         run = asyncio.ensure_future(streams.run())
         await until(lambda: streams.min_chunks() >= 6 or run.done(), 120, "every stream to be under way")
         assert not run.done(), "the streams finished before the kill: lengthen them"
-        victim = await reports.busiest("decode")
+        victim = await reports.busiest("decode", busy=True)
         assert victim.active_requests > 0, reports.latest
         await asyncio.to_thread(process(m, victim.worker_id).kill)
         killed_at = time.monotonic()
@@ -256,7 +262,7 @@ def test_sigterm_drains_prefill_and_decode_workers_without_failing_a_request(mak
         run_first = asyncio.ensure_future(first.run())
         await until(lambda: first.min_chunks() >= 3 or run_first.done(), 60, "the first requests to stream")
         assert not run_first.done()
-        busy = await reports.busiest("decode")
+        busy = await reports.busiest("decode", busy=True)
         assert busy.active_requests > 0
         decode, prefill = busy.worker_id, (await reports.busiest("prefill")).worker_id
         for name in (decode, prefill):
