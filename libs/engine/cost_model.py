@@ -100,7 +100,10 @@ class StepCostModel:
         y_adj = y - sum(coef[j] * x[:, j] for j in fixed) if fixed else y
         scale = x[:, free].abs().max(dim=0).values.clamp(min=1e-12)  # condition the columns
         while free:
-            sol = torch.linalg.lstsq(x[:, free] / scale, y_adj[:, None]).solution[:, 0] / scale
+            # SVD driver: features can be collinear (c = 0 makes sum n and sum (c + n) equal); the
+            # minimum-norm solution is then well defined, where QR-based gelsy varied with the CPU
+            sol = torch.linalg.lstsq(x[:, free] / scale, y_adj[:, None], rcond=1e-10,
+                                     driver="gelsd").solution[:, 0] / scale
             if (sol >= 0).all():
                 for j, v in zip(free, sol.tolist()):
                     coef[j] = v

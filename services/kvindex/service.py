@@ -136,6 +136,8 @@ class KVIndexService(Service):
             try:
                 h.num_blocks, h.total_bytes, h.hit_stats = await asyncio.wait_for(asyncio.gather(
                     self.index.num_blocks(), self.index.total_bytes(), self.index.hit_stats()), 1.0)
+            except asyncio.TimeoutError:  # slow, not necessarily down (as for lookups): counts unknown (-1)
+                pass
             except _REDIS_ERRORS as e:
                 self._redis_failed(e)
                 h.redis_ok = False
