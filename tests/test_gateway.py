@@ -868,12 +868,14 @@ async def test_tool_calls_are_parsed_streaming_and_not_with_the_official_client(
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),  # a keyword llguidance does not implement
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),  # two kinds at once
     ({"tool_choice": "auto"}, "tool_choice"),  # without tools
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS * 2}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),

@@ -275,10 +275,10 @@ MALFORMED = [
     ("bad tool name", lambda m: body(m, tools=[{**WEATHER, "name": "get weather"}]), 400, "invalid_request_error"),
     ("server tool", lambda m: body(m, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400,
      "invalid_request_error"),
-    ("tool_choice any", lambda m: body(m, tools=[WEATHER], tool_choice={"type": "any"}), 400,
+    ("tool_choice any without tools", lambda m: body(m, tool_choice={"type": "any"}), 400,
      "invalid_request_error"),
-    ("tool_choice tool", lambda m: body(m, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}),
-     400, "invalid_request_error"),
+    ("tool_choice tool of an unknown tool", lambda m: body(m, tools=[WEATHER], tool_choice={
+        "type": "tool", "name": "nope"}), 400, "invalid_request_error"),
     ("tool_result for an unknown id", lambda m: body(m, messages=[{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]), 400, "invalid_request_error"),
     ("tool_use in a user turn", lambda m: body(m, messages=[{"role": "user", "content": [

@@ -346,10 +346,11 @@ MALFORMED = [
     ("stream a string", lambda m: body(m, stream="yes"), 400, "stream"),
     ("web_search tool", lambda m: body(m, tools=[{"type": "web_search"}]), 400, "tools[0]"),
     ("function tool without a name", lambda m: body(m, tools=[{"type": "function"}]), 400, "tools[0]"),
-    ("tool_choice required", lambda m: body(m, tools=[WEATHER], tool_choice="required"), 400, "tool_choice"),
-    ("named tool_choice", lambda m: body(m, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}),
-     400, "tool_choice"),
-    ("json_schema text format", lambda m: body(m, text={"format": {"type": "json_schema"}}), 400, "text"),
+    ("tool_choice required without tools", lambda m: body(m, tool_choice="required"), 400, "tool_choice"),
+    ("named tool_choice of an unknown tool", lambda m: body(m, tools=[WEATHER], tool_choice={
+        "type": "function", "name": "nope"}), 400, "tool_choice"),
+    ("json_schema text format with an unsupported keyword", lambda m: body(m, text={"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), 400, "text"),
     ("prompt + max_output_tokens over the context", lambda m: body(m, max_output_tokens=100_000), 400,
      "max_output_tokens"),
     ("template refuses the content", lambda m: body(m, input="TRIGGER_BAD_REQUEST"), 400, "input"),

@@ -40,12 +40,16 @@ from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.layers import Linear
 from deepinfer.models.loader import DTYPES, load_model
 from deepinfer.models.moe import MoEBlock
 from deepinfer.protocol import SamplingParams
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
 
 
 class RequestError(ValueError):
@@ -145,6 +149,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
         self.model, self.model_config = load_model(model_dir, config.dtype)
         for module in self.model.modules():
             if isinstance(module, (Linear, MoEBlock)):
@@ -204,6 +209,7 @@ class LLMEngine:
                                    self.max_model_len, eos_token_ids, self.cost_model,
                                    config.step_time_budget_s, min_chunk=config.block_size)
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars: GrammarCompiler | None = None  # structured output, made by the first such request
         self.peak_batch_size = 0
         self.num_steps = 0
         self.num_computed_tokens_total = 0  # tokens fed through the model (not cache hits)
@@ -235,7 +241,9 @@ class LLMEngine:
         ``num_exact_tokens``: how many of them hold a cold run's KV (None = all; fewer after
         a bounded replay on the prefill worker: the rest never enters the prefix cache).
 
-        Raises RequestError for an empty or too-long prompt, a bad ``swa_replay`` or inconsistent KV.
+        Raises RequestError for an empty or too-long prompt, a bad ``swa_replay``, an unsupported
+        ``structured`` spec or inconsistent KV. A structured request's matcher consumes
+        ``output_token_ids`` (tokens sampled elsewhere under the same grammar).
         """
         self.check_request(prompt_token_ids, output_token_ids, sampling)
         tokens = list(prompt_token_ids) + list(output_token_ids)
@@ -270,17 +278,28 @@ class LLMEngine:
                 seq.status = SequenceStatus.RUNNING
             else:  # no room now -> recompute from tokens when blocks free up
                 seq.num_computed_tokens = 0
+        if sampling.structured is not None:  # its grammar compiles on a pool thread meanwhile
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids)
+            seq.matcher = self.grammars.matcher(sampling.structured, list(output_token_ids))
         self.scheduler.add(seq)
 
     def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),
                       sampling: SamplingParams | None = None) -> None:
         """Raise RequestError unless the prompt is non-empty, every token id is in the
-        vocabulary, prompt + output stay below ``max_model_len`` and ``sampling.swa_replay``
-        is None, "bounded" or "exact" (pure: any thread)."""
+        vocabulary, prompt + output stay below ``max_model_len``, ``sampling.swa_replay``
+        is None, "bounded" or "exact" and ``sampling.structured`` is None or a spec llguidance
+        supports (``structured.compile_grammar``, cached; pure: any thread)."""
         if not prompt_token_ids:
             raise RequestError("empty prompt")
         if sampling is not None and sampling.swa_replay not in (None, *SWA_MODES):
             raise RequestError(f"swa_replay must be one of {SWA_MODES}, not {sampling.swa_replay!r}")
+        if sampling is not None and sampling.structured is not None:
+            try:
+                compile_grammar(sampling.structured)  # cached
+            except StructuredOutputError as e:
+                raise RequestError(str(e)) from None
         vocab = self.model_config.vocab_size
         tokens = list(prompt_token_ids) + list(output_token_ids)
         if any(not 0 <= t < vocab for t in tokens):
@@ -362,13 +381,17 @@ class LLMEngine:
             if seq.block_table:
                 self.block_manager.free(seq)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            seq.matcher = None
             self.generators.pop(seq.request_id, None)
         return list(seqs.values())
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks; False if it is not here."""
         self.generators.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            seq.matcher = None
+        return seq is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -520,6 +543,7 @@ class LLMEngine:
         logprobs = dict(zip(step.sampling, result.logprobs))
         live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
         finished = {id(s) for s in self.scheduler.update(step.seqs, sampled)}
+        self._advance_matchers(step.seqs)
         self.num_finished_requests += len(finished)
         outputs = []
         for i, seq in enumerate(step.seqs):
@@ -537,6 +561,25 @@ class LLMEngine:
                 self.generators.pop(seq.request_id, None)
         self._forget_launched(step)
         return outputs
+
+    def _advance_matchers(self, seqs: list[Sequence]) -> None:
+        """Structured output, after ``scheduler.update``: each running sequence's matcher consumes
+        the output tokens appended since it last did (``matcher.num_tokens`` counts them); a
+        finished sequence's matcher is dropped. A token the grammar refuses, or a grammar that
+        failed to build, ends the request with "error" (a bug, never a silent bad output)."""
+        for seq in seqs:
+            m = seq.matcher
+            if m is None:
+                continue
+            if seq.status == SequenceStatus.FINISHED:
+                seq.matcher = None
+                continue
+            new = seq.output_token_ids[m.num_tokens:]
+            if new and not m.accept(new):
+                log.error("structured_output_failed", request_id=seq.request_id, error=m.error)
+                self.scheduler.abort(seq.request_id)  # frees its blocks unless a launched step holds them
+                self.generators.pop(seq.request_id, None)
+                seq.finish_reason, seq.matcher = "error", None
 
     def _export_kv(self, seq: Sequence, out: StepOutput) -> None:
         """A prefill-only engine's finished prompt: its KV blocks into ``out`` (see ``StepOutput``).

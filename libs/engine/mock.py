@@ -46,7 +46,10 @@ gateway can detokenize them; EOS is emitted only with
 ``MockConfig.eos_rate`` > 0 (that fraction of tokens, deterministically,
 after ``min_tokens``). Logprobs, when asked: 0.0 for the emitted token.
 Not mocked: hybrid sliding-window KV pools (a hybrid model is mocked as
-full attention) and batch invariance (outputs are batch-invariant anyway).
+full attention), batch invariance (outputs are batch-invariant anyway) and
+structured output: the mock's tokens follow no grammar, so a request with
+``SamplingParams.structured`` is refused (``RequestError``) rather than
+answered unconstrained.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ import torch
 
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, _Step
+from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError, _Step
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.sampler import SampleResult, TokenLogprobs
 from deepinfer.engine.sequence import Sequence, SequenceStatus
@@ -244,6 +247,13 @@ class MockEngine(LLMEngine):
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.timing = StepCostModel(*mock.cost)
         self._init_scheduling(real.eos_token_ids)
+
+    def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),
+                      sampling=None) -> None:
+        """``LLMEngine.check_request``, and RequestError for a structured-output request."""
+        if sampling is not None and sampling.structured is not None:
+            raise RequestError("structured output needs a real model: the mock engine cannot enforce a grammar")
+        super().check_request(prompt_token_ids, output_token_ids, sampling)
 
     def calibrate(self) -> None:
         """No timed passes: the cost model starts at the timing model (a perfect calibration)."""

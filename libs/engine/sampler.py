@@ -3,6 +3,8 @@
 The stages, in vLLM v1's order (a stage no row of the batch uses is skipped)::
 
     logits [B, V] float32, from the model
+      0. grammar             l[t] = -inf unless the request's grammar allows t next (structured
+                             output: ``Sequence.matcher``, ``engine.structured``)
       1. logit_bias          l[t] += bias[t]                                     (OpenAI)
       2. min_tokens          l[EOS], l[stop_token_ids] = -inf while num_output_tokens < min_tokens
       3. repetition_penalty  t in prompt + output:  l > 0 ? l / r : l * r         (HF / CTRL)
@@ -17,7 +19,7 @@ The stages, in vLLM v1's order (a stage no row of the batch uses is skipped)::
       9. draw                inverse CDF with one uniform number from the row's generator
 
 NOTE (logprobs convention): logprobs are the log-softmax of the logits after
-1-4 (bias, min_tokens mask, penalties) and before 5-8 (temperature and the
+0-4 (grammar mask, bias, min_tokens mask, penalties) and before 5-8 (temperature and the
 truncations). That is the distribution greedy decoding takes the argmax of,
 so a greedy token is always the top-1 logprob; it does not change with
 temperature / top-k / top-p / min-p, so logprobs of the same text are
@@ -25,8 +27,9 @@ comparable across sampling settings and never ``-inf`` merely because a
 truncation dropped a token; and what the request itself asked to change
 (logit_bias, penalties, min_tokens) shows. Without those knobs it is exactly
 vLLM's default (``logprobs_mode="raw_logprobs"``, the model's distribution).
-A token masked by min_tokens has logprob ``-inf`` (the gateway clamps it to
--9999.0 for JSON, as vLLM does).
+A token masked by min_tokens or by the grammar has logprob ``-inf`` (the gateway
+clamps it to -9999.0 for JSON, as vLLM does). When min_tokens would mask the
+only tokens a grammar allows (its EOS once it is complete), the grammar wins.
 
 NOTE (reproducibility): a request with a seed gets its own ``torch.Generator``
 from the engine; its rows draw exactly one number from it per step, and
@@ -45,6 +48,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import allocate_bitmask, apply_bitmask
 
 # Temperatures below this are greedy (dividing by them overflows float32), as in vLLM.
 MIN_TEMPERATURE = 1e-5
@@ -98,17 +102,21 @@ def sample(
     return SampleResult(tokens, _logprobs(logits, tokens, params))
 
 
-# --- 1-4: logits processors (also what logprobs and greedy see) --------------------------
+# --- 0-4: logits processors (also what logprobs and greedy see) --------------------------
 
 
 def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
-    """Logit bias, the min_tokens mask and the penalties, on a copy (``logits`` itself if none apply)."""
+    """The grammar mask, logit bias, the min_tokens mask and the penalties, on a copy (``logits``
+    itself if none apply). Waits for a request's grammar if it is still being compiled."""
     params = [s.sampling for s in seqs]
+    matchers = [s.matcher for s in seqs]  # NOTE: read once: an abort may drop one meanwhile
     needs = [bool(sp.logit_bias) or sp.min_tokens > 0 or _has_penalty(sp) for sp in params]
-    if not any(needs):
+    if not any(needs) and all(m is None for m in matchers):
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
     vocab = logits.shape[1]
+    if any(m is not None for m in matchers):
+        _apply_grammar(logits, matchers)
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         ids = [t for t in sp.logit_bias if 0 <= t < vocab]
@@ -118,9 +126,26 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_toke
             banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
             banned = [t for t in banned if 0 <= t < vocab]
             if banned:
+                kept = logits[i, banned].clone() if matchers[i] is not None else None
                 logits[i, banned] = float("-inf")
+                if kept is not None and not torch.isfinite(logits[i]).any():  # the grammar allows only these
+                    logits[i, banned] = kept
     _apply_penalties(logits, seqs)
     return logits
+
+
+def _apply_grammar(logits: torch.Tensor, matchers: list) -> None:
+    """Stage 0, in place: each row with a matcher keeps only the tokens its grammar allows next."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    bitmask = allocate_bitmask(len(rows), logits.shape[1])
+    for r, i in enumerate(rows):
+        matchers[i].fill_bitmask(bitmask, r)
+    if len(rows) == len(matchers):
+        apply_bitmask(logits, bitmask)
+    else:
+        masked = logits[rows]
+        apply_bitmask(masked, bitmask)
+        logits[rows] = masked
 
 
 def _has_penalty(sp) -> bool:

@@ -76,6 +76,9 @@ class Sequence:
     # at launch: (window block id, prefix hash).
     prefix_plan: object | None = None
     window_restore: list[tuple[int, str]] = field(default_factory=list)
+    # Structured output: the request's grammar state (``engine.structured.StructuredMatcher``; it
+    # has consumed every token of ``output_token_ids``); None without a grammar or once finished.
+    matcher: object | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_inflight_tokens

@@ -52,6 +52,12 @@ class SamplingParams:
     state is gone: "bounded" (replay its last W tokens: W token-forwards, a
     small accuracy cost, TECHNIQUES §5) or "exact" (recompute the prefix);
     None = the worker's ``--swa-replay``.
+    structured: constrain the output (``deepinfer.engine.structured``; None = free text), one of
+    ``{"type": "json_object"}``, ``{"type": "json_schema", "schema": {...}}``,
+    ``{"type": "regex", "pattern": str}``, ``{"type": "choice", "choices": [str, ...]}``,
+    ``{"type": "grammar", "lark": str}`` (llguidance's Lark). A grammar mask is applied before
+    every other stage; when the grammar is complete only EOS is allowed. An unsupported spec is
+    refused (``StructuredOutputError``), never silently ignored.
 
     On the wire ``logit_bias`` is a list of ``[token_id, bias]`` pairs
     (msgpack map keys must be strings); ``from_dict`` turns it back into a dict.
@@ -73,6 +79,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     swa_replay: str | None = None
+    structured: dict | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":

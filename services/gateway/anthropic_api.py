@@ -4,8 +4,9 @@ Request: ``model`` (must be the served model, else 404), ``max_tokens`` (require
 ``messages`` (user / assistant; content a string or blocks: ``text``, ``tool_use`` in assistant
 turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``stop_sequences``,
 ``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema) with
-``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force a call, which needs structured
-output: 400 until that lands), ``stream``, ``metadata`` (ignored). The ``anthropic-version`` and
+``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force calls: the output is constrained
+to calls of those tools with ``input_schema``-valid inputs, ``disable_parallel_tool_use`` = one;
+``gateway.structured``), ``stream``, ``metadata`` (ignored). The ``anthropic-version`` and
 ``x-api-key`` headers are accepted and ignored. DeepInfer extensions, as on chat completions:
 ``traffic_class`` / ``cache_salt`` body fields and the ``X-Traffic-Class`` header.
 
@@ -53,6 +54,7 @@ from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request
+from deepinfer.gateway.structured import tool_call_spec
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.limits import BodyTooLarge
 from deepinfer.gateway.stream import ClientGone, spawn
@@ -208,10 +210,11 @@ def validate(req: MessagesRequest | CountTokensRequest, gw: Gateway) -> None:
             raise bad_request(f"tools: tool names must be unique, {tool.name!r} repeats", param="tools")
         names.add(tool.name)
     choice = req.tool_choice
-    if choice is not None:
-        if choice.type in ("any", "tool"):
-            raise bad_request(f"tool_choice: {choice.type!r} forces a tool call, which needs structured output; "
-                              "not supported yet (use 'auto' or 'none')", param="tool_choice")
+    if choice is not None and choice.type in ("any", "tool") and not req.tools:
+        raise bad_request(f"tool_choice: {choice.type!r} forces a tool call but there are no tools",
+                          param="tool_choice")
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise bad_request("tool_choice.name: required when type is 'tool'", param="tool_choice")
     if isinstance(req.system, list) and any(not b.text for b in req.system):
         raise bad_request("system: text content blocks must be non-empty", param="system")
     seen_tool_uses: set[str] = set()
@@ -236,6 +239,17 @@ def validate(req: MessagesRequest | CountTokensRequest, gw: Gateway) -> None:
     if req.messages[-1].role == "assistant":
         raise bad_request("messages: the last message must be a user message (continuing a partial assistant "
                           "turn is not supported)", param="messages")
+
+
+def structured_spec(req: MessagesRequest) -> dict | None:
+    """``SamplingParams.structured`` for a forcing ``tool_choice`` ("any" / "tool"), else None.
+    Raises 400 (``tools``) for an input_schema llguidance cannot enforce."""
+    choice = req.tool_choice
+    if not req.tools or choice is None or choice.type not in ("any", "tool"):
+        return None
+    tools = [(t.name, t.input_schema) for t in req.tools]
+    return tool_call_spec(tools, choice.name if choice.type == "tool" else None,
+                          parallel=not choice.disable_parallel_tool_use)
 
 
 def tools_enabled(req: MessagesRequest | CountTokensRequest) -> bool:
@@ -332,6 +346,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     by ``_guarded``) for anything detectable before the first byte."""
     req = parse_body(MessagesRequest, await request.body(), _FIELDS)
     validate(req, gw)
+    structured = structured_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
@@ -344,6 +359,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         max_tokens=max_tokens,
+        structured=structured,
     )
     choices = new_choices(gw, request_id, 1, list(req.stop_sequences or []), traffic_class, req.cache_salt)
     try:

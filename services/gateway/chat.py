@@ -12,6 +12,11 @@ i. Every one must have its first token before the response starts; their
 chunks are then merged as they arrive (a stream chunk carries its choice
 ``index``). Usage counts the prompt once and sums the completions. If any
 choice fails, the whole request fails and the others are aborted.
+
+Structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``) and
+forced tool calls (``tool_choice`` "required" or a named function: the output is constrained
+to calls of the declared tools) become ``SamplingParams.structured`` (``gateway.structured``),
+checked before anything is dispatched: an unsupported spec is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_worker
                                         failure, http_error, new_choices, open_choices, raise_if_failed,
                                         usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.structured import openai_spec, tool_call_spec
 from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger
@@ -83,6 +89,7 @@ class _Reply:
 async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     req = parse_request(await request.body())
     validate_request(req, gw.model)
+    structured = structured_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
@@ -90,6 +97,7 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
+    sampling.structured = structured
 
     n = req.n or 1
     choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt)
@@ -149,19 +157,27 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
         if req.top_logprobs > 0 and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     validate_sampling(req, model)
-    # NOTE: forcing JSON or a tool call needs grammar-constrained decoding (issue #9); until it
-    # lands these are refused rather than silently not enforced.
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} needs structured output, which this "
-                          "server does not support yet; use 'text'", param="response_format")
     if req.tool_choice is not None and not req.tools:
         raise bad_request("tool_choice is only allowed when tools are specified", param="tool_choice")
-    if req.tool_choice == "required" or isinstance(req.tool_choice, oai.NamedToolChoice):
-        raise bad_request("tool_choice 'required' or a named function needs structured output, which this "
-                          "server does not support yet; use 'auto' or 'none'", param="tool_choice")
     names = [t.function.name for t in req.tools or []]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", param="tools")
+
+
+def structured_spec(req: oai.ChatCompletionRequest) -> dict | None:
+    """``SamplingParams.structured`` for the request (``gateway.structured``): ``response_format``,
+    vLLM's guided fields, or, with ``tool_choice`` "required" or a named function, a grammar of
+    calls to the declared tools. Raises a 400 naming the param for a bad or unsupported spec."""
+    choice, forced = req.tool_choice, None
+    if req.tools and (choice == "required" or isinstance(choice, oai.NamedToolChoice)):
+        name = None
+        if isinstance(choice, oai.NamedToolChoice):
+            name = choice.function.get("name")
+            if not isinstance(name, str):
+                raise bad_request("tool_choice.function needs a 'name'", param="tool_choice")
+        tools = [(t.function.name, t.function.parameters) for t in req.tools]
+        forced = tool_call_spec(tools, name, parallel=req.parallel_tool_calls is not False)
+    return openai_spec(req, forced)
 
 
 def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:

@@ -10,6 +10,9 @@ object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
 ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``.
 Generation, n > 1, stop strings and errors are the chat endpoint's
 (``generate.py``); responses have OpenAI's ``text_completion`` shape.
+vLLM's structured-output fields (``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``, ``structured_outputs``) constrain the
+text (``gateway.structured``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, valid
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
                                         new_choices, open_choices, raise_if_failed, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.structured import openai_spec
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -47,6 +51,7 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False), _FIELD_NAMES) from None
     validate(req, gw)
+    structured = openai_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     check_workers(gw.registry)
@@ -56,6 +61,7 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len, logprobs=want_logprobs,
                                top_logprobs=req.logprobs or 0, prompt_param="prompt",
                                default_max_tokens=DEFAULT_MAX_TOKENS)
+    sampling.structured = structured
     choices = new_choices(gw, request_id, req.n or 1, req.stop_strings, traffic_class, req.cache_salt)
     try:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)

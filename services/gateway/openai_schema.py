@@ -6,7 +6,10 @@ a bool) and unknown fields are ignored, as OpenAI does. vLLM extensions:
 ``stop_token_ids``, ``return_token_ids`` (the response then carries
 ``prompt_token_ids`` at the top level and ``token_ids`` in each choice; in a
 stream, ``prompt_token_ids`` rides on the first chunk and ``token_ids`` on
-each chunk's choice, beside ``delta``, as vLLM does).
+each chunk's choice, beside ``delta``, as vLLM does), and structured output
+as vLLM takes it: ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar`` (llguidance's Lark) or ``structured_outputs`` (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``); see ``gateway.structured``.
 
 ``logprobs`` (with ``top_logprobs``) fills ``choices[].logprobs`` as
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...],
@@ -147,6 +150,12 @@ class SamplingRequest(_Strict):
     # is not cached ("bounded" replay of the last window, approximate; "exact" recompute); None = the
     # worker's --swa-replay
     swa_replay: Literal["bounded", "exact"] | None = None
+    # vLLM: structured output (``gateway.structured``)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @property
     def stop_strings(self) -> list[str]:

@@ -4,8 +4,9 @@ Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``outp
 or a plain string; ``function_call``; ``function_call_output``), ``instructions`` (a system message
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
 ``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only) with ``tool_choice``
-(``auto`` / ``none``; ``required`` and a named function force a call, which needs structured
-output: 400 until that lands, as is ``text.format`` json_object / json_schema), ``stream``,
+(``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
+calls of those tools, ``parallel_tool_calls: false`` = one), ``text.format`` (``json_object``, or
+``json_schema`` with ``schema``: the output is constrained to it; ``gateway.structured``), ``stream``,
 ``store`` (default true), ``previous_response_id``, ``metadata``, ``user``; ``reasoning``,
 ``truncation``, ``include`` and unknown fields are ignored. DeepInfer extensions:
 ``traffic_class`` / ``cache_salt`` and the ``X-Traffic-Class`` header, as on chat completions.
@@ -56,7 +57,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
 from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages, field_names, log_finished,
                                           output_budget, parse_body, run, run_to_end)
@@ -65,6 +66,7 @@ from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
+from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
 from deepinfer.protocol import SamplingParams
 from deepinfer.telemetry import get_logger
 
@@ -168,6 +170,10 @@ class FunctionToolChoice(_Strict):
 
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(_Strict):
@@ -222,12 +228,25 @@ def validate(req: ResponsesRequest, gw: Gateway) -> None:
         if tool.name in names:
             raise bad_request(f"tool names must be unique, {tool.name!r} repeats", param="tools")
         names.add(tool.name)
-    if req.tool_choice == "required" or isinstance(req.tool_choice, FunctionToolChoice):
-        raise bad_request("tool_choice 'required' or a named function forces a tool call, which needs structured "
-                          "output; not supported yet (use 'auto' or 'none')", param="tool_choice")
-    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
-        raise bad_request(f"text.format {req.text.format.type!r} needs structured output; not supported yet",
-                          param="text")
+    if (req.tool_choice == "required" or isinstance(req.tool_choice, FunctionToolChoice)) and not req.tools:
+        raise bad_request("tool_choice forces a tool call but there are no tools", param="tool_choice")
+
+
+def structured_spec(req: ResponsesRequest) -> dict | None:
+    """``SamplingParams.structured`` for ``text.format`` or a forcing ``tool_choice``
+    (``gateway.structured``); None = free text. Raises 400 naming the param."""
+    fmt = req.text.format if req.text is not None else None
+    choice, found = req.tool_choice, []
+    if fmt is not None and fmt.type != "text":
+        spec = response_format_spec(fmt.type, {"schema": fmt.schema_}, "text.format")
+        found.append(("text", checked(spec, "text")))
+    if req.tools and (choice == "required" or isinstance(choice, FunctionToolChoice)):
+        name = choice.name if isinstance(choice, FunctionToolChoice) else None
+        tools = [(t.name, t.parameters) for t in req.tools]
+        found.append(("tool_choice", tool_call_spec(tools, name, parallel=req.parallel_tool_calls is not False)))
+    if len(found) > 1:
+        raise bad_request("text.format and a forced tool_choice cannot be combined", param="tool_choice")
+    return found[0][1] if found else None
 
 
 def input_items(req: ResponsesRequest) -> list:
@@ -371,6 +390,7 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     anything detectable before the first byte (the app renders it in OpenAI's shape)."""
     req = parse_body(ResponsesRequest, await request.body(), _FIELDS)
     validate(req, gw)
+    structured = structured_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
@@ -387,6 +407,7 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=max_tokens,
+        structured=structured,
     )
     choices = new_choices(gw, request_id, 1, [], traffic_class, req.cache_salt)
     try:
@@ -466,7 +487,7 @@ class _Reply:
             else req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": tool_choice or "auto",
+            "text": {"format": _format_echo(req)}, "tool_choice": tool_choice or "auto",
             "tools": [t.to_dict() for t in req.tools or []], "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled", "usage": usage, "user": req.user, "metadata": req.metadata or {},
         }
@@ -556,3 +577,11 @@ async def _sse(reply: _Reply):
         # await here could be cancelled too, so the abort is its own task.
         spawn(r.choice.stream.abort())
         log_finished(r, disconnected=not clean)
+
+
+def _format_echo(req: ResponsesRequest) -> dict:
+    """``text.format`` as the response echoes it (``{"type": "text"}`` when none was given)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)

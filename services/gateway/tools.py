@@ -14,6 +14,13 @@ closing tag arrives (a stream then carries each call whole, in one delta, as
 vLLM's Hermes parser does at the end of a call). Malformed JSON between the
 tags is returned as text, unchanged. The same parser serves the OpenAI chat
 and Responses APIs and Anthropic Messages, each rendering calls its own way.
+
+``tool_call_grammar`` is the same format as a grammar: when a request forces a
+call (``tool_choice`` "required" or a named function), the output is
+constrained to calls of the declared tools whose arguments are instances of
+their ``parameters`` schemas. Where the tokenizer has ``<tool_call>`` as one
+(added) token, llguidance matches the tag's literal with that token, as the
+model was trained to write it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from deepinfer.engine.structured import json_lark, lark_string
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# a function declared without ``parameters`` takes none
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -110,3 +121,30 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def tool_call_grammar(tools: list[tuple[str, dict | None]], parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's dialect) for output made only of tool calls in this module's
+    format: one call, or with ``parallel`` one or more separated by a newline, each
+    ``<tool_call>\n{"name": N, "arguments": A}\n</tool_call>`` where N is one of ``tools``' names
+    and A an instance of that tool's parameters schema (None = no parameters).
+
+    Each tool is its own ``%json`` rule whose root carries the parameters' ``$defs`` /
+    ``definitions``, so their ``#/$defs/...`` references still resolve. Raises
+    StructuredOutputError (``engine.structured``) for parameters that are not a JSON object.
+    """
+    rules = []
+    for i, (name, parameters) in enumerate(tools):
+        parameters = NO_PARAMETERS if parameters is None else parameters
+        call = {"type": "object",
+                "properties": {"name": {"const": name}, "arguments": parameters},
+                "required": ["name", "arguments"], "additionalProperties": False}
+        if isinstance(parameters, dict):
+            call |= {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+        rules.append(f"tool{i}: {json_lark(call)}")
+    return "\n".join([
+        'start: call ("\\n" call)*' if parallel else "start: call",
+        f'call: {lark_string(OPEN + chr(10))} body {lark_string(chr(10) + CLOSE)}',
+        "body: " + " | ".join(f"tool{i}" for i in range(len(tools))),
+        *rules,
+    ])
