@@ -42,3 +42,12 @@ def test_tags_never_leak_partially_and_list_form_and_bad_json():
     assert ToolCallParser().feed(bad) == (bad, [])
     assert ToolCallParser(enabled=False).feed(CALL) == (CALL, [])
     assert len({c.id for c in calls}) == 2
+
+
+def test_whitespace_between_and_after_calls_is_not_content_but_text_after_a_call_is():
+    two = CALL + "\n" + CALL + "\n"
+    for cuts in ([], [len(CALL) + 1], [len(CALL), len(CALL) + 1, len(two) - 1]):
+        text, calls = split_feed(two, cuts)
+        assert text == "" and len(calls) == 2
+    assert split_feed(CALL + "\n Then more.", [len(CALL) + 1])[0] == "\n Then more."
+    assert split_feed("  " + CALL, [])[0] == "  "  # before any call: text, as sent

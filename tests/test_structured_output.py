@@ -392,19 +392,21 @@ def test_forced_tool_calls_and_auto_through_the_official_client(openai_client):
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         r = _client_chat(openai_client, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False)
         c = r.choices[0]
-        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls and c.message.content is None, c
         (call,) = c.message.tool_calls
         if choice != "required":
             assert call.function.name == "get_time"
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
     # streamed, parallel calls allowed: every call validates
     stream = _client_chat(openai_client, tools=[WEATHER], tool_choice="required", stream=True, max_tokens=96)
-    calls, reasons = [], []
+    calls, reasons, text = [], [], ""
     for chunk in stream:
         for ch in chunk.choices:
             calls += ch.delta.tool_calls or []
             reasons.append(ch.finish_reason)
+            text += ch.delta.content or ""
     assert calls and reasons[-1] in ("tool_calls", "length")
+    assert text == "" or reasons[-1] == "length"  # no content around the calls (a cut call is text)
     for call in calls[:-1] if reasons[-1] == "length" else calls:
         jsonschema.validate(json.loads(call.function.arguments), by_name["get_weather"])
     # auto: this model writes text (its template does not show tools), so no call and "stop"/"length"

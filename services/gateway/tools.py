@@ -73,12 +73,18 @@ def _calls(body: str) -> list[ToolCall] | None:
 
 
 class ToolCallParser:
-    """Incremental splitter of text and tool calls. ``enabled=False`` passes text through."""
+    """Incremental splitter of text and tool calls. ``enabled=False`` passes text through.
+
+    Whitespace-only text after a call is held: dropped if another call or the end follows (the
+    newlines between ``</tool_call>`` and ``<tool_call>`` are not content), emitted before any
+    other text that follows.
+    """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.calls: list[ToolCall] = []
         self._buf = ""  # undecided text: a possible tag start, or an open call's body
+        self._ws: str | None = None  # whitespace held since the last call (None: not right after one)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add generated text; returns (text safe to emit now, calls completed now)."""
@@ -90,29 +96,39 @@ class ToolCallParser:
             start = self._buf.find(OPEN)
             if start < 0:
                 keep = _partial_suffix(self._buf, OPEN)
-                out.append(self._buf[: len(self._buf) - keep])
+                self._emit(self._buf[: len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
             end = self._buf.find(CLOSE, start)
             if end < 0:  # inside a call: wait for its end
-                out.append(self._buf[:start])
+                self._emit(self._buf[:start], out)
                 self._buf = self._buf[start:]
                 break
-            out.append(self._buf[:start])
+            self._emit(self._buf[:start], out)
             body = self._buf[start + len(OPEN): end]
             calls = _calls(body.strip())
             if calls is None:
-                out.append(self._buf[start: end + len(CLOSE)])
+                self._emit(self._buf[start: end + len(CLOSE)], out)
             else:
                 done += calls
+                self._ws = ""  # whitespace before this call (held) is dropped
             self._buf = self._buf[end + len(CLOSE):]
         self.calls += done
         return "".join(out), done
 
     def flush(self) -> str:
-        """End of generation: whatever is still held (an unclosed tag) is text."""
+        """End of generation: whatever is still held (an unclosed tag) is text; whitespace
+        after the last call is dropped."""
         rest, self._buf = self._buf, ""
-        return rest
+        held, self._ws = self._ws or "", None
+        return held + rest if rest.strip() else ("" if self.calls else held + rest)
+
+    def _emit(self, text: str, out: list[str]) -> None:
+        if self._ws is not None and not text.strip():
+            self._ws += text
+        elif text:
+            out.append((self._ws or "") + text)
+            self._ws = None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
