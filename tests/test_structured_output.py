@@ -435,3 +435,23 @@ def test_response_format_and_guided_fields_through_the_mesh_and_400_naming_the_f
         _client_chat(openai_client, tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {"x": {"not": {}}}}}}], tool_choice="required")
     assert e.value.body["param"] == "tools" and '"not"' in e.value.body["message"]
+
+
+def test_verification_passes_its_own_draft_masks(compiler, tok):
+    """Speculative verification: the row after a draft token is masked as after that draft."""
+    from deepinfer.engine.sampler import apply_logits_processors
+
+    spec = {"type": "regex", "pattern": "[ab][cd]"}
+    s = seq_with(compiler.matcher(spec), temperature=0)
+    a = tok.encode("a")[0]
+    bitmask = allocate_bitmask(2, 49152)
+    assert s.matcher.fill_bitmask_with_draft(bitmask, 0, [a]) == 1 and s.matcher.num_tokens == 0
+    logits = apply_logits_processors(torch.zeros(2, 49152), [s, s], [EOS], grammar_bitmask=bitmask)
+    after_a = compiler.matcher(spec)
+    assert after_a.accept([a])
+    expected = allocate_bitmask(2, 49152)
+    s.matcher.fill_bitmask(expected, 0)
+    after_a.fill_bitmask(expected, 1)
+    for row in range(2):
+        assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == allowed(expected, row, 49152)
+    assert a in allowed(expected, 0, 49152) and a not in allowed(expected, 1, 49152)

@@ -105,17 +105,26 @@ def sample(
 # --- 0-4: logits processors (also what logprobs and greedy see) --------------------------
 
 
-def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(),
+                            grammar_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The grammar mask, logit bias, the min_tokens mask and the penalties, on a copy (``logits``
-    itself if none apply). Waits for a request's grammar if it is still being compiled."""
+    itself if none apply). Waits for a request's grammar if it is still being compiled.
+
+    Row i's grammar mask is ``seqs[i].matcher``'s next-token mask, unless ``grammar_bitmask``
+    (int32 [R, ceil(V / 32)], a row per logits row, all bits set where no grammar applies) is
+    given: speculative verification, whose rows after draft tokens need the mask after those
+    drafts (``StructuredMatcher.fill_bitmask_with_draft``), passes its own.
+    """
     params = [s.sampling for s in seqs]
     matchers = [s.matcher for s in seqs]  # NOTE: read once: an abort may drop one meanwhile
     needs = [bool(sp.logit_bias) or sp.min_tokens > 0 or _has_penalty(sp) for sp in params]
-    if not any(needs) and all(m is None for m in matchers):
+    if not any(needs) and all(m is None for m in matchers) and grammar_bitmask is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
     vocab = logits.shape[1]
-    if any(m is not None for m in matchers):
+    if grammar_bitmask is not None:
+        apply_bitmask(logits, grammar_bitmask)
+    elif any(m is not None for m in matchers):
         _apply_grammar(logits, matchers)
     for i, seq in enumerate(seqs):
         sp = seq.sampling
