@@ -185,8 +185,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out if t == b * tq else out[meta.query_index]
 
 
+# Batch-invariant attention pads a sequence's queries to at least this many rows.
+INVARIANT_MIN_QUERIES = 16
+
+
 def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
-    """``paged_attention`` one sequence at a time, unpadded: [T, H, D] -> [T, H, D]."""
+    """``paged_attention`` one sequence at a time, keys unpadded: [T, H, D] -> [T, H, D].
+
+    NOTE: a sequence's queries are padded to ``INVARIANT_MIN_QUERIES`` rows (copies of its
+    first one, dropped after): SDPA on CPU gives a query row other bits when 1-15 rows
+    share the call than when it runs alone (measured), and with the padding a row's bits do
+    not depend on how many tokens its sequence feeds in the step, so verifying draft tokens
+    (``engine.spec_decode``) computes each position exactly as decoding it alone would.
+    """
     h, d = q.shape[1:]
     hkv = k_cache.shape[-2]
     mask = meta.mask(window)
@@ -196,9 +207,13 @@ def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale:
         k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
         qi = q[start : start + ql].transpose(0, 1)[None]  # [1, H, ql, D]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask[i : i + 1, :, :ql, :cl], scale=scale,
-                                           enable_gqa=(h != hkv))
-        outs.append(o[0].transpose(0, 1))
+        mi = mask[i : i + 1, :, :ql, :cl]
+        if ql < INVARIANT_MIN_QUERIES:
+            pad = INVARIANT_MIN_QUERIES - ql
+            qi = torch.cat([qi, qi[:, :, :1].expand(-1, -1, pad, -1)], dim=2)
+            mi = torch.cat([mi, mi[:, :, :1].expand(-1, -1, pad, -1)], dim=2)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mi, scale=scale, enable_gqa=(h != hkv))
+        outs.append(o[0, :, :ql].transpose(0, 1))
         start += ql
     return torch.cat(outs)
 

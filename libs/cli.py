@@ -72,7 +72,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if port is None:
         port = 8000 if port_is_free(8000) else free_port()
     replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode}
-    mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir)
+    extra = {"decode": ["--speculative", args.speculative]} if args.speculative != "none" else {}
+    mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra)
 
     def on_signal(signum, _frame):
         raise _Stop(signal.Signals(signum).name)
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tokenizer", type=_positive, default=1, help="tokenizer workers")
     up.add_argument("--prefill", type=_positive, default=1, help="prefill workers")
     up.add_argument("--decode", type=_positive, default=1, help="decode workers")
+    up.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
+                    help="speculative decoding on the decode workers (default none; see `deepinfer serve decode -h`)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for the mesh to become healthy")
     up.add_argument("--workdir", default=None, help="logs / NATS store / KV blocks (default: a temporary dir)")
 

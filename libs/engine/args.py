@@ -7,6 +7,7 @@ import os
 
 from deepinfer.engine.llm_engine import EngineConfig
 from deepinfer.engine.mock import DEFAULT_COST, MockConfig, load_cost_file, parse_cost
+from deepinfer.engine.spec_decode import SpecConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swa-cache-gb", type=float, default=float(os.environ.get("DEEPINFER_SWA_CACHE_GB", 0.25)),
                    help="host memory for the SWA state cache: window layers' KV of recent prefixes, GiB "
                         "(hybrid sliding-window models; 0 = none; default 0.25)")
+    p.add_argument("--speculative", choices=["none", "ngram", "draft"],
+                   default=os.environ.get("DEEPINFER_SPECULATIVE", "none"),
+                   help="decode workers: speculative decoding with prompt-lookup (ngram) or self-draft (draft: the "
+                        "model's first --draft-layers layers) drafts (env DEEPINFER_SPECULATIVE; default none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per request per step (γ)")
+    p.add_argument("--spec-verify", choices=["adaptive", "fixed"], default="adaptive",
+                   help="verification length: adaptive (DSpark Algorithm 1 on the step cost model) or fixed "
+                        "(every draft up to γ); default adaptive")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="layers of the self-draft (default: a quarter of the model's)")
     p.add_argument("--engine", choices=["native", "mock"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
                    help="native: the model; mock: no model, steps sleep by a timing model, deterministic "
                         "tokens (engine/mock.py; env DEEPINFER_ENGINE; default native)")
@@ -87,4 +98,6 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         packed_weights=not args.no_packed_weights,
         swa_replay=args.swa_replay,
         swa_cache_bytes=int(args.swa_cache_gb * (1 << 30)),
+        speculative=None if prefill_only or args.speculative == "none" else SpecConfig(
+            args.speculative, args.num_speculative_tokens, args.spec_verify, draft_layers=args.draft_layers),
     )

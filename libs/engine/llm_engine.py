@@ -40,6 +40,7 @@ from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.spec_decode import SpecConfig, SpecDecoder
 from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kvstore.hashing import model_fingerprint
@@ -74,7 +75,11 @@ class EngineConfig:
     is gone: "bounded" (replay its last W tokens, TECHNIQUES §5) or "exact"
     (recompute it); a request's ``SamplingParams.swa_replay`` overrides it.
     swa_cache_bytes: host memory for the SWA state cache (window layers' KV of
-    recently finished prefixes; 0 = none)."""
+    recently finished prefixes; 0 = none).
+    speculative: speculative decoding (``engine.spec_decode.SpecConfig``; None = off).
+    Decode engines only (ignored when ``prefill_only``); steps then run synchronously
+    (``async_scheduling`` is turned off: the next step's positions depend on how many
+    drafts this one accepts); not on hybrid sliding-window models (ValueError)."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -92,6 +97,7 @@ class EngineConfig:
     async_scheduling: bool = True
     swa_replay: str = "bounded"
     swa_cache_bytes: int = 256 << 20
+    speculative: SpecConfig | None = None
 
 
 @dataclass
@@ -144,6 +150,7 @@ class _Step:
 
 class LLMEngine:
     engine_kind = "native"  # what load reports call this engine (``engine.mock.MockEngine``: "mock")
+    spec: SpecDecoder | None = None  # speculative decoding (``EngineConfig.speculative``)
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -199,6 +206,13 @@ class LLMEngine:
         # a sequence longer than the KV cache could never finish: cap it (it ends with "length")
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self._init_scheduling(mc.eos_token_ids)
+        if config.speculative is not None and not config.prefill_only:
+            if num_window_blocks:
+                raise ValueError("speculative decoding is not supported on hybrid sliding-window models")
+            config.async_scheduling = False
+            self.spec = SpecDecoder(config.speculative, self)
+            if config.calibrate:
+                self.spec.profile()
 
     def _init_scheduling(self, eos_token_ids: list[int]) -> None:
         """The model-independent part: cost model, scheduler, counters, optional calibration
@@ -463,6 +477,8 @@ class LLMEngine:
         if not seqs:
             self._forward_end = None  # idle: the next gap is not an inter-step gap
             return None
+        if self.spec is not None:
+            self.spec.plan(seqs, self.config.max_num_batched_tokens - sum(s.num_scheduled_tokens for s in seqs))
         pieces = [(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs]
         inputs = self.runner.prepare(seqs)
         if any(s.window_restore for s in seqs):
@@ -516,9 +532,15 @@ class LLMEngine:
         self.last_step_s = time.perf_counter() - t0
         self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
-        seqs = [step.seqs[i] for i in step.sampling]
-        result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs],
-                        self.model_config.eos_token_ids)
+        if self.spec is not None:
+            self.spec.observe_step(step.pieces, self.last_step_s)
+        if self.spec is not None and any(s.draft_token_ids for s in step.seqs):
+            result = self.spec.verify(logits, step.seqs, step.sampling, self.generators,
+                                      self.model_config.eos_token_ids)
+        else:
+            seqs = [step.seqs[i] for i in step.sampling]
+            result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs],
+                            self.model_config.eos_token_ids)
         self._forward_end = time.perf_counter()
         return result
 
@@ -548,9 +570,12 @@ class LLMEngine:
         outputs = []
         for i, seq in enumerate(step.seqs):
             if i in live:
-                out = StepOutput(seq.request_id, [sampled[i]], seq.finish_reason, seq.num_prompt_tokens,
+                toks, lps = sampled[i], logprobs[i]
+                if not isinstance(toks, list):  # one token (a speculative step gives lists)
+                    toks, lps = [toks], None if lps is None else [lps]
+                out = StepOutput(seq.request_id, toks, seq.finish_reason, seq.num_prompt_tokens,
                                  num_cached_tokens=seq.num_cached_tokens,
-                                 logprobs=[logprobs[i]] if logprobs[i] is not None else None,
+                                 logprobs=None if lps is None else lps[:len(toks)],
                                  prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens)
                 if id(seq) in finished and seq.prefill_only:
                     self._export_kv(seq, out)

@@ -230,6 +230,8 @@ class MockEngine(LLMEngine):
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, mock: MockConfig | None = None):
         self.config = config = config or EngineConfig()
         self.mock = mock = mock or MockConfig()
+        if config.speculative is not None and not config.prefill_only:
+            raise ValueError("the mock engine does not speculate (its tokens are not a model's)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         real = ModelConfig.from_dir(model_dir)

@@ -36,8 +36,9 @@ from deepinfer.kernels.attention import AttentionMetadata, build_metadata
 @dataclass
 class StepInputs:
     """One step's model inputs. input_ids, positions: [T] int64 (packed tokens of
-    all sequences); logits_index: [B] int64, packed index of each sequence's last
-    fed token; placeholders: (index in input_ids, sequence, position) of tokens
+    all sequences); logits_index: [R] int64, packed index of each sequence's last
+    fed token (R = B), and for a sequence with k draft tokens of the k tokens fed
+    before it too (its anchor and drafts: k + 1 rows, in order); placeholders: (index in input_ids, sequence, position) of tokens
     still being sampled by an in-flight step."""
 
     input_ids: torch.Tensor
@@ -91,10 +92,11 @@ class ModelRunner:
         sampling) gets a placeholder, listed in ``StepInputs.placeholders`` and
         filled by ``fill`` once that step is back.
         """
-        input_ids, positions, query_lens, context_lens, placeholders = [], [], [], [], []
+        input_ids, positions, query_lens, context_lens, placeholders, rows = [], [], [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            known = seq.token_ids[start:end]
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            known = tokens[start:end]
             for p in range(start + len(known), end):
                 placeholders.append((len(input_ids) + p - start, seq, p))
             input_ids.extend(known)
@@ -102,6 +104,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
+            # logits after the last fed token; with draft tokens also after the anchor and each draft
+            rows.extend(range(len(input_ids) - 1 - len(seq.draft_token_ids), len(input_ids)))
         meta = [build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
                                per_sequence=self.batch_invariant)]
         if self.hybrid:
@@ -112,7 +116,7 @@ class ModelRunner:
                                        per_sequence=self.batch_invariant, first_blocks=first,
                                        key_starts=[s.replay_start for s in seqs]))
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          meta, torch.tensor(query_lens).cumsum(0) - 1, placeholders)
+                          meta, torch.tensor(rows, dtype=torch.long), placeholders)
 
     def _discard_replayed_writes(self, meta: AttentionMetadata, seqs: list[Sequence], query_lens: list[int]) -> None:
         """Point the full layers' cache writes of replayed positions (< ``seq.replay_end``)
@@ -135,13 +139,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward pass (after filling ``window_restores``); the logits after each
-        sequence's last fed token: [B, V] float32."""
+        """Forward pass (after filling ``window_restores``); the logits at
+        ``inputs.logits_index``: [R, V] float32 (one row per sequence without drafts)."""
         assert not inputs.placeholders, "fill() the placeholders first"
         if inputs.window_restores is not None:
             self.write_window_blocks(*inputs.window_restores)
             inputs.window_restores = None
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+
+    @torch.inference_mode()
+    def draft_forward(self, seqs: list[Sequence], token_ids: list[int], positions: list[int],
+                      num_layers: int) -> torch.Tensor:
+        """Self-draft step of speculative decoding: feed ``token_ids[i]`` at ``positions[i]``
+        for ``seqs[i]`` through the first ``num_layers`` layers (writing their KV there;
+        the verification step overwrites it) and return the early-exit logits [B, V] float32.
+        The block tables must already cover each position."""
+        meta = build_metadata([1] * len(seqs), [p + 1 for p in positions], [s.block_table for s in seqs],
+                              self.block_size, per_sequence=self.batch_invariant)
+        return self.model(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                          [meta], torch.arange(len(seqs)), num_layers=num_layers)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """``prepare`` + ``execute`` for sequences without in-flight tokens: [B, V] float32."""

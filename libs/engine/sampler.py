@@ -213,6 +213,13 @@ def _token_index(token_lists: list[list[int]], vocab: int) -> tuple[torch.Tensor
 
 def _sample_rows(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Steps 5-9 for rows that sample (temperature > 0): one token id per row."""
+    return _draw(sampling_weights(logits, params), generators)
+
+
+def sampling_weights(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Steps 5-8 for rows that sample: unnormalised probabilities [B, V] float32 (0 where a
+    truncation dropped a token; row i divided by its sum is the distribution step 9 draws from).
+    ``logits`` [B, V] are after stages 1-4; row i follows ``params[i]``."""
     temperature = torch.tensor([sp.temperature for sp in params], dtype=torch.float32).unsqueeze(1)
     x = logits / temperature
     min_p = torch.tensor([sp.min_p for sp in params], dtype=torch.float32).unsqueeze(1)
@@ -225,7 +232,7 @@ def _sample_rows(logits: torch.Tensor, params: list, generators: list[torch.Gene
     truncated = ((top_k < vocab) | (top_p < 1.0)).squeeze(1)
     if truncated.any():
         x[truncated] = _top_k_top_p(x[truncated], top_k[truncated], top_p[truncated])
-    return _draw((x - x.amax(dim=-1, keepdim=True)).exp_(), generators)
+    return (x - x.amax(dim=-1, keepdim=True)).exp_()
 
 
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

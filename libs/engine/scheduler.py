@@ -181,36 +181,49 @@ class Scheduler:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             seq.num_inflight_steps += 1
-            if seq.num_computed_tokens == len(seq):
+            if seq.num_computed_tokens >= len(seq):  # (beyond it: draft tokens, engine.spec_decode)
                 seq.num_inflight_tokens += 1
                 sampling.append(i)
             self.block_manager.cache_computed_blocks(seq)
         return sampling
 
-    def update(self, seqs: list[Sequence], token_ids: dict[int, int]) -> list[Sequence]:
+    def update(self, seqs: list[Sequence], token_ids: dict[int, int | list[int]]) -> list[Sequence]:
         """A launched step is back: append the sampled token of each sequence
         ``advance`` said samples (``token_ids`` maps index in ``seqs`` -> token)
         and apply the stop rules. Sequences already finished (aborted, or
         stopped by an earlier step) are skipped. Returns the sequences that
-        finished now (still holding blocks)."""
+        finished now (still holding blocks).
+
+        Speculative steps: the entry is a list (accepted drafts, then one more
+        token); KV of the rejected drafts is rolled back (``num_computed_tokens``)
+        and tokens after one that finishes the sequence are dropped (the list in
+        ``token_ids`` is cut to those appended)."""
         finished = []
         for i, seq in enumerate(seqs):
             seq.num_inflight_steps -= 1
             if i not in token_ids:  # a prefill chunk that did not reach the end of the prompt
                 continue
             seq.num_inflight_tokens -= 1
+            toks = token_ids[i] if isinstance(token_ids[i], list) else [token_ids[i]]
+            if seq.draft_token_ids:  # positions after the last accepted draft hold rejected KV
+                seq.num_computed_tokens -= len(seq.draft_token_ids) - (len(toks) - 1)
+                seq.draft_token_ids = []
             if seq.status == SequenceStatus.FINISHED:
                 continue
-            tok = token_ids[i]
-            seq.token_ids.append(tok)
-            self.block_manager.cache_computed_blocks(seq)
             sp = seq.sampling
-            if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                seq.finish_reason = "length"
-            elif seq.prefill_only:
-                seq.finish_reason = "handoff"
+            for n, tok in enumerate(toks, 1):
+                seq.token_ids.append(tok)
+                if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                    seq.finish_reason = "stop"
+                elif seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                    seq.finish_reason = "length"
+                elif seq.prefill_only:
+                    seq.finish_reason = "handoff"
+                if seq.finish_reason is not None:
+                    if isinstance(token_ids[i], list):
+                        del token_ids[i][n:]
+                    break
+            self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
                 seq.status = SequenceStatus.FINISHED
                 if seq in self.running:

@@ -79,6 +79,11 @@ class Sequence:
     # Structured output: the request's grammar state (``engine.structured.StructuredMatcher``; it
     # has consumed every token of ``output_token_ids``); None without a grammar or once finished.
     matcher: object | None = None
+    # --- speculative decoding (``engine.spec_decode``) ---
+    # Draft tokens the step being scheduled verifies after the last known token (fed at the
+    # positions after it; cleared when the step is back), and the drafter's per-request state.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_state: object | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_inflight_tokens

@@ -35,7 +35,12 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids [T] int64, positions [T] int64, meta, logits_index [B] int64) -> logits [B, V] float32."""
+    """forward(input_ids [T] int64, positions [T] int64, meta, logits_index [B] int64) -> logits [B, V] float32.
+
+    ``num_layers`` (default all) runs only the first layers, then the final norm and
+    head: the self-draft of speculative decoding (``engine.spec_decode``, early exit as
+    in LayerSkip / Draft & Verify).
+    """
 
     norm_class: type[nn.Module] = RMSNorm
 
@@ -86,10 +91,10 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index, num_layers: int | None = None):
         x = self.embed(input_ids)
         rope = {}
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             name = layer.self_attn.rope
             if name not in rope:
                 cos = getattr(self, f"cos_{name}")[positions].to(x.dtype)[:, None, :]

@@ -1,0 +1,133 @@
+"""Speculative decoding on SmolLM2-135M (issue #9): no speculation vs fixed k vs adaptive (DSpark).
+
+Workload where drafts help: rewriting a given piece of code (each request its own
+program: a few small functions with random names; the instruction asks for the
+code with one name changed), greedy, so every mode produces the same tokens
+(lossless verification; the script checks it) and only speed differs. Drafts:
+prompt lookup (``ngram``).
+
+For each concurrency C (default 1, 8, 32) a closed loop keeps C requests in the
+engine until ``--requests-per-slot`` x C requests are done. Reported per mode:
+output tokens/s (all requests), per-request speed (output tokens / the request's
+own decode time, mean), mean acceptance length (tokens a request emits per step
+it verifies drafts in), verify budget (draft tokens verified per step, mean), and
+the ratio to fixed k=5 and to no speculation. Modes: none, fixed k = 1, 3, 5,
+adaptive (γ = 8: it may verify more than 5 where that pays).
+
+The engine runs in this process (one torch thread by default: on this shared
+2-core machine that keeps figures steady; ``--threads 2`` for both cores); it is
+warmed and its step cost model calibrated at start-up, as a decode worker's is.
+
+Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 15 minutes on
+2 CPU cores; ``--concurrency 1 --requests-per-slot 2`` for a quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.spec_decode import SpecConfig
+from deepinfer.models.convert import ensure_default_model
+from deepinfer.protocol import SamplingParams
+
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta", "rho", "tau"]
+
+
+def program(rng: random.Random) -> tuple[str, str, str]:
+    """A small Python program with random names, one name to rename and its new name."""
+    names = rng.sample(WORDS, 4)
+    fns = []
+    for i, name in enumerate(names[:3]):
+        op = rng.choice(["+", "-", "*"])
+        fns.append(f"def {name}_{i}({names[3]}, other):\n    result = {names[3]} {op} other\n"
+                   f"    print(\"{name}\", result)\n    return result\n")
+    return "\n".join(fns), names[3], names[3] + "_value"
+
+
+def prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        code, old, new = program(rng)
+        text = f"Rewrite this code, renaming `{old}` to `{new}`. Output only the code.\n\n{code}"
+        out.append(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+    return out
+
+
+def run(model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | None, max_tokens: int,
+        threads: int) -> dict:
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, concurrency),
+                                               num_threads=threads, calibrate=True, speculative=spec,
+                                               enable_prefix_caching=False))
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    queue = list(enumerate(ps))
+    out: dict[str, list[int]] = {}
+    first_at: dict[str, float] = {}
+    done_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while queue or engine.has_unfinished():
+        while queue and engine.num_running + engine.num_waiting < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(str(i), p, sp)
+            out[str(i)] = []
+        for o in engine.step():
+            now = time.perf_counter()
+            out[o.request_id] += o.new_token_ids
+            first_at.setdefault(o.request_id, now)
+            if o.finish_reason:
+                done_at[o.request_id] = now
+    wall = time.perf_counter() - t0
+    tokens = sum(len(v) for v in out.values())
+    speeds = [(len(out[r]) - 1) / (done_at[r] - first_at[r]) for r in out if len(out[r]) > 1 and done_at[r] > first_at[r]]
+    s = engine.spec
+    return {
+        "outputs": out, "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+        "req_speed": statistics.mean(speeds) if speeds else 0.0,
+        "accept_len": (s.num_accepted_tokens + s.num_spec_seqs) / s.num_spec_seqs if s and s.num_spec_seqs else 1.0,
+        "verify_budget": s.num_draft_tokens / s.num_verify_steps if s and s.num_verify_steps else 0.0,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests per unit of concurrency")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model(progress=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    modes = [("none", None), ("fixed k=1", SpecConfig("ngram", 1, "fixed")),
+             ("fixed k=3", SpecConfig("ngram", 3, "fixed")), ("fixed k=5", SpecConfig("ngram", 5, "fixed")),
+             ("adaptive", SpecConfig("ngram", 8, "adaptive"))]
+    print(f"SmolLM2-135M-Instruct, fp32, {args.threads} torch thread(s), greedy, max_tokens {args.max_tokens}, "
+          f"ngram drafts; load average {os.getloadavg()[0]:.2f}")
+    for c in args.concurrency:
+        ps = prompts(tok, c * args.requests_per_slot, seed=c)
+        res = {name: run(model_dir, ps, c, spec, args.max_tokens, args.threads) for name, spec in modes}
+        base, k5 = res["none"], res["fixed k=5"]
+        print(f"\nconcurrency {c}: {len(ps)} requests, {base['tokens']} output tokens each mode")
+        print(f"{'mode':<11} {'tok/s':>8} {'req tok/s':>10} {'vs none':>8} {'vs k=5':>7} {'accept len':>11} "
+              f"{'verify/step':>12} {'same tokens':>12}")
+        for name, r in res.items():
+            print(f"{name:<11} {r['tok_s']:8.1f} {r['req_speed']:10.1f} {r['tok_s'] / base['tok_s']:8.3f} "
+                  f"{r['tok_s'] / k5['tok_s']:7.3f} {r['accept_len']:11.2f} {r['verify_budget']:12.1f} "
+                  f"{str(r['outputs'] == base['outputs']):>12}")
+        best_fixed = max((n for n in res if n.startswith("fixed")), key=lambda n: res[n]["tok_s"])
+        print(f"adaptive vs fixed k=5: {res['adaptive']['tok_s'] / k5['tok_s'] - 1:+.1%}; vs best fixed "
+              f"({best_fixed}): {res['adaptive']['tok_s'] / res[best_fixed]['tok_s'] - 1:+.1%}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

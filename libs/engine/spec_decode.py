@@ -1,0 +1,505 @@
+"""Speculative decoding: drafters, an adaptive verification length, lossless verification.
+
+One decode step with speculation (the engine runs it synchronously)::
+
+    scheduled decode seqs ──propose──> up to γ draft tokens each, with confidences c_{r,j}
+        ──choose ℓ_r (DSpark Algorithm 1, or a fixed k)──> the step feeds anchor + ℓ_r drafts
+        ──forward──> logits at the anchor and after each draft: [1 + ℓ_r, V] per sequence
+        ──verify──> accepted drafts + one more token; the rejected drafts' KV is rolled back
+
+Drafters (``SpecConfig.method``):
+
+* ``ngram``: prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` proposer): the
+  longest suffix of the context (``ngram_max`` down to ``ngram_min`` tokens) that
+  occurred before; the tokens that followed its latest earlier occurrence are the
+  drafts. An incremental n-gram -> position index per request keeps it O(new tokens).
+  Confidence: the acceptance rate learned online per (match length, draft position,
+  how the request's previous drafts fared: all accepted / some / none / no history;
+  a request copying a passage keeps copying).
+* ``draft``: self-draft by early exit (LayerSkip, arXiv 2404.16710; Draft & Verify,
+  arXiv 2309.08168): the target's first ``draft_layers`` layers, its final norm and
+  head, run autoregressively γ times. Those layers' KV of accepted tokens is the
+  target's own, so the drafter needs no cache of its own. Drafts are greedy;
+  confidence: the early-exit probability of the drafted token, calibrated online
+  per probability decile.
+
+Verification length (``SpecConfig.verify``): ``fixed`` verifies min(γ, drafts)
+per request. ``adaptive`` is DSpark's Algorithm 1 (deepseek-ai/DeepSpec;
+TECHNIQUES §6): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
+starting from ℓ_r = 0, the (r, j) are visited by decreasing a_{r,j}, each adding
+one token to the step and a_{r,j} expected tokens, while the expected throughput
+τ · SPS(B) still grows. SPS(B), verify steps per second at B tokens, is the
+``SpsCurve``: profiled at start-up (``SpecDecoder.profile``) and refined online
+from every decode/verify step's measured time; prefill chunks sharing the step
+add their cost-model time. Light load: a step costs about the same with a few
+more tokens (weights are read once either way), so long drafts pay; heavy load:
+each verified token costs, so only likely ones do. (A linear cost model, fine
+for chunking prefills, overprices extra tokens at small B; hence the curve.)
+
+Verification is lossless (Leviathan et al., arXiv 2211.17192). Greedy: accept
+while the draft equals the target's argmax; the first mismatch is replaced by
+the argmax, and when every draft is accepted the last row's argmax is a bonus
+token. Sampling: drafts are deterministic proposals (q is a point mass), so a
+draft d is accepted with probability min(1, p(d) / q(d)) = p(d), and on
+rejection the token is drawn from the residual max(0, p - q), i.e. p without d,
+renormalised; p is the request's sampling distribution (temperature, min-p,
+top-k, top-p, logit bias). The output distribution is exactly non-speculative
+sampling's.
+
+Not speculated (decoded one token per step as usual): prefill-only engines,
+requests with repetition / frequency / presence penalties or an unmet
+``min_tokens`` (position-dependent logits), seeded sampling (its one random
+number per token is what makes a seed reproduce across workers), and hybrid
+sliding-window models (rejected: ``EngineConfig`` check). Structured output
+speculates: drafts are cut at the first token the request's grammar refuses, and
+each verification row gets the grammar mask after the drafts before it
+(``StructuredMatcher.fill_bitmask_with_draft``); the engine's matcher then
+consumes the emitted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.sampler import (MIN_TEMPERATURE, SampleResult, _draw, _has_penalty, _logprobs,
+                                      apply_logits_processors, sample, sampling_weights)
+from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import allocate_bitmask
+from deepinfer.protocol import SamplingParams
+
+METHODS = ("ngram", "draft")
+VERIFY_MODES = ("adaptive", "fixed")
+
+
+@dataclass
+class SpecConfig:
+    """method: "ngram" or "draft" (self-draft, see the module docstring).
+    num_speculative_tokens: γ, the most drafts a request proposes per step.
+    verify: "adaptive" (DSpark Algorithm 1) or "fixed" (every draft, up to γ).
+    ngram_min / ngram_max: suffix lengths (tokens) prompt lookup tries, longest first.
+    draft_layers: layers of the self-draft (None = a quarter of the model's).
+    prior: confidence of a bucket nothing has been observed in yet; prior_weight:
+    how many observations that prior counts as. draft_stop: the self-draft stops
+    drafting for a request once the chance all its drafts so far are accepted falls
+    below this (each draft token costs a forward pass of ``draft_layers`` layers)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    verify: str = "adaptive"
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_layers: int | None = None
+    prior: float = 0.5
+    prior_weight: float = 4.0
+    draft_stop: float = 0.1
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, not {self.method!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"speculative verify must be one of {VERIFY_MODES}, not {self.verify!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass
+class Draft:
+    """Draft tokens for one request, each with its confidence (P(accepted | earlier drafts
+    accepted)) and its calibration bucket."""
+
+    tokens: list[int] = field(default_factory=list)
+    confidences: list[float] = field(default_factory=list)
+    buckets: list[tuple] = field(default_factory=list)
+
+
+class AcceptanceCalibrator:
+    """Online P(a draft is accepted | the drafts before it were), per bucket.
+
+    A bucket is a tuple of keys from coarse to fine, e.g. ("ngram", last, j, n); every
+    prefix of it is counted too, and a bucket's estimate shrinks toward its parent's
+    (the empty bucket's parent is ``prior``): (accepted + parent * w) / (reached + w).
+    A fine bucket seen rarely thus answers with what its coarser buckets learned.
+    Counts are halved past ``horizon`` observations so estimates follow the workload.
+    """
+
+    def __init__(self, prior: float = 0.5, prior_weight: float = 4.0, horizon: int = 2000):
+        self.prior, self.prior_weight, self.horizon = prior, prior_weight, horizon
+        self.counts: dict[tuple, list[float]] = {}
+
+    def confidence(self, bucket: tuple) -> float:
+        p = self.prior
+        for k in range(len(bucket) + 1):
+            acc, n = self.counts.get(bucket[:k], (0.0, 0.0))
+            p = (acc + p * self.prior_weight) / (n + self.prior_weight)
+        return p
+
+    def observe(self, buckets: list[tuple], num_accepted: int) -> None:
+        """Drafts ``buckets[:num_accepted]`` were accepted and the next one (if any) rejected;
+        later ones were never reached and say nothing."""
+        for j, bucket in enumerate(buckets[: num_accepted + 1]):
+            for k in range(len(bucket) + 1):
+                c = self.counts.setdefault(bucket[:k], [0.0, 0.0])
+                c[0] += j < num_accepted
+                c[1] += 1
+                if c[1] > self.horizon:
+                    c[0] /= 2
+                    c[1] /= 2
+
+
+class SpsCurve:
+    """Step seconds T(B) of a decode/verify step feeding B tokens (SPS(B) = 1 / T(B)).
+
+    A piecewise-linear curve on a fixed grid of B (1, 2, 4, ... tokens): the start-up
+    profile sets the grid values; each measured step then moves the two grid values
+    around its B toward the measurement, in proportion to their interpolation
+    weights (a least-squares step with rate ``alpha``), so shapes the profile did not
+    time (one request verifying many drafts vs many requests one token each) are
+    learned without noise at single B values making the curve jump. T is read
+    non-decreasing in B; beyond the grid it grows with the last segment's slope.
+    Before the profile, ``fallback(B)`` (the engine's linear step cost model) answers.
+    """
+
+    GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+    def __init__(self, fallback, alpha: float = 0.1):
+        self.fallback = fallback
+        self.alpha = alpha
+        self.values: list[float] | None = None  # seconds at GRID[i]
+
+    def set_profile(self, points: dict[int, float]) -> None:
+        """Grid values from profiled (B, seconds) points (interpolated / extended in between)."""
+        xs = sorted(points)
+        ys = [points[x] for x in xs]
+        self.values = [self._interp(xs, ys, g) for g in self.GRID]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if self.values is None:
+            return
+        i, w = self._cell(num_tokens)
+        err = seconds - ((1 - w) * self.values[i] + w * self.values[i + 1])
+        self.values[i] += self.alpha * (1 - w) * err
+        self.values[i + 1] += self.alpha * w * err
+
+    def __call__(self, num_tokens: float) -> float:
+        """Predicted seconds of a step of ``num_tokens`` tokens."""
+        if self.values is None:
+            return self.fallback(num_tokens)
+        ys, top = [], 0.0
+        for v in self.values:
+            top = max(top, v)
+            ys.append(top)
+        return self._interp(list(self.GRID), ys, num_tokens)
+
+    def _cell(self, b: float) -> tuple[int, float]:
+        g = self.GRID
+        for i in range(len(g) - 1):
+            if b <= g[i + 1]:
+                return i, max(0.0, (b - g[i]) / (g[i + 1] - g[i]))
+        return len(g) - 2, 1.0
+
+    @staticmethod
+    def _interp(xs: list[float], ys: list[float], x: float) -> float:
+        """Linear interpolation of (xs, ys) at x (xs increasing); constant below xs[0],
+        the last segment's slope beyond xs[-1]."""
+        if len(xs) == 1 or x <= xs[0]:
+            return ys[0]
+        i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
+        return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
+
+
+class NgramIndex:
+    """Per-request prompt-lookup index: for each n, n-gram -> end (exclusive) of its latest
+    occurrence that is not the context's own suffix."""
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.sizes = range(ngram_max, ngram_min - 1, -1)
+        self.maps: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # n-grams ending at positions < indexed+1 are in the maps
+        self.last = "new"  # how the request's last verified drafts fared: "all", "some", "none"
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens that followed the latest earlier occurrence of the longest
+        suffix of ``tokens`` found), or (0, []) without a match."""
+        for end in range(self.indexed + 1, len(tokens)):
+            for n in self.sizes:
+                if end >= n:
+                    self.maps[n][tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for n in self.sizes:
+            if len(tokens) > n:
+                e = self.maps[n].get(tuple(tokens[-n:]))
+                if e is not None:
+                    return n, tokens[e:e + k]
+        return 0, []
+
+
+class SpecDecoder:
+    """Speculative decoding for one engine (``LLMEngine``): ``plan`` before the step's
+    inputs are built, ``verify`` on its logits. Counters: ``num_verify_steps`` (steps
+    with drafts), ``num_draft_tokens`` (verified), ``num_accepted_tokens``,
+    ``num_spec_seqs`` (request-steps with drafts; emitted tokens = accepted + this)."""
+
+    def __init__(self, config: SpecConfig, engine):
+        self.config = config
+        self.engine = engine
+        self.calibrator = AcceptanceCalibrator(config.prior, config.prior_weight)
+        num_layers = engine.model_config.num_hidden_layers
+        self.draft_layers = config.draft_layers or max(1, num_layers // 4)
+        if config.method == "draft" and not 1 <= self.draft_layers < num_layers:
+            raise ValueError(f"draft_layers must be in [1, {num_layers - 1}]")
+        self.num_verify_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_seqs = 0
+        cost = engine.cost_model
+        self.sps = SpsCurve(lambda b: cost.a + cost.b * b)
+        self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
+
+    # --- which requests -------------------------------------------------------------
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts ``seq`` may verify this step (0 = not speculated)."""
+        sp = seq.sampling
+        if (seq.prefill_only or seq.num_scheduled_tokens != 1 or seq.num_computed_tokens != len(seq.token_ids) - 1
+                or _has_penalty(sp) or seq.num_output_tokens < sp.min_tokens
+                or (sp.seed is not None and sp.temperature >= MIN_TEMPERATURE)):
+            return 0
+        left = min(sp.max_tokens - seq.num_output_tokens, self.engine.max_model_len - len(seq.token_ids)) - 1
+        return max(0, min(self.config.num_speculative_tokens, left))
+
+    # --- plan -----------------------------------------------------------------------
+    def plan(self, seqs: list[Sequence], tokens_left: int) -> None:
+        """Propose drafts for the step's decoding sequences and choose how many each verifies:
+        sets ``seq.draft_token_ids`` and grows ``seq.num_scheduled_tokens`` and the block table
+        (never beyond free blocks; at most ``tokens_left`` draft tokens in all)."""
+        bm = self.engine.block_manager
+        budgets = {id(s): self._budget(s) for s in seqs}
+        cands = [s for s in seqs if budgets[id(s)] > 0]
+        if not cands or tokens_left <= 0:
+            return
+        if self.config.method == "draft":
+            # the drafter writes KV at the anchor's position and γ - 1 after it: room for γ + 1
+            fits = []
+            for s in cands:
+                g = budgets[id(s)]
+                while g and not bm.can_allocate(s, s.num_computed_tokens + 1 + g):
+                    g -= 1
+                if g:
+                    bm.allocate(s, s.num_computed_tokens + 1 + g)
+                    budgets[id(s)] = g
+                    fits.append(s)
+            drafts = self._self_draft(fits, [budgets[id(s)] for s in fits])
+        else:
+            drafts = [self._ngram_draft(s, budgets[id(s)]) for s in cands]
+            fits = cands
+        for s, d in zip(fits, drafts):  # structured output: drafts stop at the first the grammar refuses
+            if s.matcher is not None and d.tokens:
+                n = s.matcher.validate(d.tokens)
+                del d.tokens[n:], d.confidences[n:], d.buckets[n:]
+        lengths = self._choose(seqs, fits, drafts, tokens_left)
+        for s, d, n in zip(fits, drafts, lengths):
+            while n and not bm.can_allocate(s, s.num_computed_tokens + 1 + n):
+                n -= 1
+            if not n:
+                continue
+            bm.allocate(s, s.num_computed_tokens + 1 + n)
+            s.draft_token_ids = d.tokens[:n]
+            self._buckets[id(s)] = d.buckets[:n]
+            s.num_scheduled_tokens = 1 + n
+
+    def _ngram_draft(self, seq: Sequence, k: int) -> Draft:
+        if seq.spec_state is None:
+            seq.spec_state = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        n, tokens = seq.spec_state.lookup(seq.token_ids, k)
+        buckets = [("ngram", seq.spec_state.last, j, n) for j in range(len(tokens))]
+        return Draft(tokens, [self.calibrator.confidence(b) for b in buckets], buckets)
+
+    @torch.inference_mode()
+    def _self_draft(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
+        drafts = [Draft() for _ in seqs]
+        runner = self.engine.runner
+        alive = [1.0] * len(seqs)  # chance that every draft so far is accepted
+        for t in range(max(budgets, default=0)):
+            rows = [i for i, g in enumerate(budgets) if g > t and alive[i] >= self.config.draft_stop]
+            if not rows:
+                break
+            tokens = [seqs[i].token_ids[-1] if t == 0 else drafts[i].tokens[-1] for i in rows]
+            positions = [len(seqs[i].token_ids) - 1 + t for i in rows]
+            logits = runner.draft_forward([seqs[i] for i in rows], tokens, positions, self.draft_layers)
+            probs, ids = logits.softmax(dim=-1).max(dim=-1)
+            for i, p, tok in zip(rows, probs.tolist(), ids.tolist()):
+                bucket = ("draft", min(9, int(p * 10)))
+                drafts[i].tokens.append(tok)
+                drafts[i].buckets.append(bucket)
+                drafts[i].confidences.append(self.calibrator.confidence(bucket))
+                alive[i] *= drafts[i].confidences[-1]
+        return drafts
+
+    def _choose(self, seqs: list[Sequence], cands: list[Sequence], drafts: list[Draft],
+                tokens_left: int) -> list[int]:
+        """Drafts to verify per candidate: all of them (fixed) or DSpark Algorithm 1 (adaptive)."""
+        if self.config.verify == "fixed":
+            lengths, left = [], tokens_left
+            for d in drafts:
+                lengths.append(min(len(d.tokens), left))
+                left -= lengths[-1]
+            return lengths
+        cost = self.engine.cost_model
+        # prefill chunks in the step: their cost-model time; decode/verify tokens: the SPS curve
+        prefill_s = sum(cost.piece_cost(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs
+                        if s.num_scheduled_tokens > 1)
+        num_tokens = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
+        step_s = prefill_s + self.sps(num_tokens)
+        tau = float(sum(1 for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)))
+        best = tau / step_s if step_s > 0 else 0.0
+        order = []
+        for r, d in enumerate(drafts):
+            a = 1.0
+            for j, c in enumerate(d.confidences):
+                a *= c
+                order.append((-a, j, r))
+        order.sort()
+        lengths, chosen = [0] * len(drafts), [0] * len(drafts)
+        for neg_a, j, r in order[:tokens_left]:
+            num_tokens += 1
+            step_s = prefill_s + self.sps(num_tokens)
+            tau += -neg_a
+            if step_s <= 0 or tau / step_s <= best:
+                break
+            best = tau / step_s
+            chosen[r] = j + 1
+            lengths = list(chosen)
+        return lengths
+
+    # --- SPS(B) ---------------------------------------------------------------------
+    def observe_step(self, pieces: list[tuple[int, int]], seconds: float) -> None:
+        """A step's measured forward time; decode/verify steps (no prefill chunk) refine SPS(B).
+        ``pieces``: (tokens fed, context) per sequence."""
+        if all(n <= 1 + self.config.num_speculative_tokens for n, _ in pieces):
+            self.sps.observe(sum(n for n, _ in pieces), seconds)
+
+    def profile(self, context: int = 64, repeats: int = 2) -> None:
+        """Time decode-shaped steps of B = 1, 2, 4, ... tokens (up to 8x ``max_num_seqs``
+        or the token budget): up to 16 dummy sequences at ``context`` tokens, each feeding
+        B / 16 tokens; the fastest of ``repeats`` runs (after one warm-up) per B."""
+        engine = self.engine
+        bm, cap = engine.block_manager, min(engine.config.max_num_batched_tokens, 8 * engine.config.max_num_seqs)
+        sizes = [b for b in SpsCurve.GRID if b <= cap]
+        points = {}
+        for k, b in enumerate(sizes):
+            r = min(b, 16)
+            seqs = self._dummy(r, b // r, context)
+            if seqs is None:
+                break
+            best = float("inf")
+            for i in range(repeats + (k == 0)):  # the very first run warms up
+                t0 = time.perf_counter()
+                engine.runner.run(seqs)
+                if i or k:
+                    best = min(best, time.perf_counter() - t0)
+            for s in seqs:
+                bm.free(s)
+            points[b] = best
+        if points:
+            self.sps.set_profile(points)
+
+    def _dummy(self, num_seqs: int, num_tokens: int, context: int) -> list[Sequence] | None:
+        bm, seqs = self.engine.block_manager, []
+        for i in range(num_seqs):
+            s = Sequence(f"__profile_{i}", [0] * (context + num_tokens), context + num_tokens, SamplingParams())
+            if not bm.can_allocate(s, context + num_tokens):
+                for t in seqs:
+                    bm.free(t)
+                return None
+            bm.allocate(s, context + num_tokens)
+            s.num_computed_tokens, s.num_scheduled_tokens = context, num_tokens
+            seqs.append(s)
+        return seqs
+
+    # --- verify ---------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], sampling: list[int],
+               generators: dict, eos_token_ids) -> SampleResult:
+        """Tokens for the step's sampling sequences (``seqs[i]`` for i in ``sampling``) from
+        its logits [R, V] (``ModelRunner.prepare``'s rows: 1 + drafts per sequence). Returns
+        per sampling sequence the list of tokens it emits (accepted drafts, then one more)
+        and their logprobs (a list, or None when not asked)."""
+        offsets, row = [], 0
+        for s in seqs:
+            offsets.append(row)
+            row += 1 + len(s.draft_token_ids)
+        plain = [i for i in sampling if not seqs[i].draft_token_ids]
+        spec = [i for i in sampling if seqs[i].draft_token_ids]
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list | None] = {}
+        if plain:
+            ps = [seqs[i] for i in plain]
+            res = sample(logits[[offsets[i] for i in plain]], ps, [generators.get(s.request_id) for s in ps],
+                         eos_token_ids)
+            for i, t, lp in zip(plain, res.token_ids, res.logprobs):
+                tokens[i], logprobs[i] = [t], None if lp is None else [lp]
+        if spec:
+            self.num_verify_steps += 1
+            rows = [offsets[i] + j for i in spec for j in range(1 + len(seqs[i].draft_token_ids))]
+            row_seqs = [seqs[i] for i in spec for _ in range(1 + len(seqs[i].draft_token_ids))]
+            bitmask = None
+            if any(seqs[i].matcher is not None for i in spec):  # structured output: masks after the drafts
+                bitmask, row = allocate_bitmask(len(rows), logits.shape[1]), 0
+                for i in spec:
+                    if seqs[i].matcher is not None:
+                        seqs[i].matcher.fill_bitmask_with_draft(bitmask, row, seqs[i].draft_token_ids)
+                    row += 1 + len(seqs[i].draft_token_ids)
+            processed = apply_logits_processors(logits[rows], row_seqs, eos_token_ids, grammar_bitmask=bitmask)
+            start = 0
+            for i in spec:
+                seq = seqs[i]
+                n = 1 + len(seq.draft_token_ids)
+                block = processed[start:start + n]
+                out = self._verify_one(block, seq)
+                tokens[i] = out
+                if seq.sampling.logprobs:
+                    logprobs[i] = _logprobs(block[:len(out)], out, [seq.sampling] * len(out))
+                else:
+                    logprobs[i] = None
+                accepted = len(out) - 1
+                self.num_draft_tokens += n - 1
+                self.num_accepted_tokens += accepted
+                self.num_spec_seqs += 1
+                self.calibrator.observe(self._buckets.pop(id(seq), []), accepted)
+                if isinstance(seq.spec_state, NgramIndex):
+                    seq.spec_state.last = "all" if accepted == n - 1 else "some" if accepted else "none"
+                start += n
+        return SampleResult([tokens[i] for i in sampling], [logprobs[i] for i in sampling])
+
+    @staticmethod
+    def _verify_one(rows: torch.Tensor, seq: Sequence) -> list[int]:
+        """One request: ``rows`` [1 + k, V] processed logits at the anchor and after each of its
+        k drafts -> the emitted tokens (accepted drafts, then a correction or bonus token)."""
+        drafts = seq.draft_token_ids
+        sp = seq.sampling
+        if sp.temperature < MIN_TEMPERATURE:
+            target = rows.argmax(dim=-1).tolist()
+            out = []
+            for j, d in enumerate(drafts):
+                if d != target[j]:
+                    break
+                out.append(d)
+            return out + [target[len(out)]]
+        weights = sampling_weights(rows, [sp] * rows.shape[0])
+        probs = weights / weights.sum(dim=-1, keepdim=True)
+        p_draft = probs[torch.arange(len(drafts)), torch.tensor(drafts)].tolist()
+        u = torch.rand(len(drafts)).tolist()
+        out = []
+        for j, d in enumerate(drafts):
+            if u[j] >= p_draft[j]:  # rejected: draw from the residual (p without the draft)
+                residual = weights[j].clone()
+                residual[d] = 0.0
+                if not math.isfinite(float(residual.sum())) or float(residual.sum()) <= 0:
+                    residual = weights[j]  # p was a point mass on d: cannot happen when u >= p(d) = 1
+                return out + [int(_draw(residual[None], [None])[0])]
+            out.append(d)
+        return out + [int(_draw(weights[len(drafts)][None], [None])[0])]

@@ -1,0 +1,331 @@
+"""Speculative decoding (engine.spec_decode): drafters, DSpark's adaptive verification length,
+lossless verification (greedy token for token, sampling in distribution)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepinfer.engine.cost_model import StepCostModel
+from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.spec_decode import AcceptanceCalibrator, Draft, NgramIndex, SpecConfig, SpecDecoder
+from deepinfer.models.convert import ensure_default_model
+from deepinfer.protocol import SamplingParams
+
+from model_helpers import save_tiny
+
+
+# ---------------------------------------------------------------------------- drafters
+
+
+def test_ngram_index_takes_the_longest_suffix_and_its_latest_occurrence():
+    idx = NgramIndex(1, 3)
+    toks = [5, 6, 7, 8, 9, 6, 7, 1, 2, 5, 6, 7]
+    # suffix [5, 6, 7] occurred at 0..3: what followed it is the draft
+    assert idx.lookup(toks, 3) == (3, [8, 9, 6])
+    toks += [8, 0, 6]  # now only the 1-gram [6] matches; its latest earlier occurrence is at 10
+    assert idx.lookup(toks, 2) == (1, [7, 8])
+    assert NgramIndex(2, 3).lookup([1, 2, 3, 4], 4) == (0, [])  # no repeat, no draft
+
+
+def test_ngram_index_is_incremental():
+    """Extending a context gives the same drafts as indexing it from scratch."""
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 6, (300,), generator=g).tolist()
+    grow = NgramIndex(2, 4)
+    for n in range(5, len(toks), 7):
+        assert grow.lookup(toks[:n], 5) == NgramIndex(2, 4).lookup(toks[:n], 5)
+
+
+def test_calibrator_learns_conditional_acceptance_per_bucket():
+    cal = AcceptanceCalibrator(prior=0.5, prior_weight=4)
+    assert cal.confidence(("x", 0)) == 0.5
+    for _ in range(200):  # the first draft always accepted, the second always rejected
+        cal.observe([("x", 0), ("x", 1), ("x", 2)], 1)
+    assert cal.confidence(("x", 0)) > 0.95
+    assert cal.confidence(("x", 1)) < 0.05
+    assert cal.confidence(("x", 2)) == 0.5  # never reached: still the prior
+
+
+# ---------------------------------------------------------------------------- DSpark Algorithm 1
+
+
+def _decoder(cost: StepCostModel, verify: str = "adaptive") -> SpecDecoder:
+    engine = SimpleNamespace(cost_model=cost, model_config=SimpleNamespace(num_hidden_layers=4))  # no SPS points: the linear fallback
+    return SpecDecoder(SpecConfig(verify=verify, num_speculative_tokens=5), engine)
+
+
+def _decode_seqs(n: int, context: int = 100) -> list[Sequence]:
+    seqs = []
+    for i in range(n):
+        s = Sequence(str(i), [1] * (context + 1), context, SamplingParams())
+        s.num_computed_tokens, s.num_scheduled_tokens = context, 1
+        seqs.append(s)
+    return seqs
+
+
+def _drafts(confs: list[list[float]]) -> list[Draft]:
+    return [Draft(list(range(len(c))), c, [()] * len(c)) for c in confs]
+
+
+def test_adaptive_verifies_long_drafts_at_light_load():
+    """One request, a step costs mostly its fixed part: every likely draft pays."""
+    dec = _decoder(StepCostModel(a=0.05, b=1e-4, d=0.0, e=0.0))
+    seqs = _decode_seqs(1)
+    assert dec._choose(seqs, seqs, _drafts([[0.9] * 5]), 4096) == [5]
+
+
+def test_adaptive_verifies_only_likely_drafts_at_heavy_load():
+    """32 requests at a per-token cost comparable to the fixed one: only high-confidence
+    drafts are worth a slot, and the chosen lengths follow the confidences."""
+    dec = _decoder(StepCostModel(a=0.01, b=1e-3, d=0.0, e=0.0))
+    seqs = _decode_seqs(32)
+    confs = [[0.95, 0.9, 0.9, 0.9, 0.9] if i < 4 else [0.2] * 5 for i in range(32)]
+    lengths = dec._choose(seqs, seqs, _drafts(confs), 4096)
+    # (a draft pays while its acceptance chance a exceeds Θ* x marginal step cost, ~0.78 here)
+    assert lengths[:4] == [2, 2, 2, 2] and not any(lengths[4:]), lengths
+
+    def theta(ls):  # expected tokens per second of a step verifying ls[r] drafts of request r
+        tau = sum(1 + float(torch.tensor(c[:k]).cumprod(0).sum()) if k else 1 for c, k in zip(confs, ls))
+        return tau / (0.01 + sum(1e-3 * (1 + k) for k in ls))
+    assert theta(lengths) >= max(theta([k] * 32) for k in range(6))
+    assert theta(lengths) >= max(theta([k] * 4 + [0] * 28) for k in range(6))
+
+
+def test_fixed_verifies_every_draft_within_the_token_budget():
+    dec = _decoder(StepCostModel(a=0.01, b=1e-3, d=0.0, e=0.0), verify="fixed")
+    seqs = _decode_seqs(3)
+    assert dec._choose(seqs, seqs, _drafts([[0.1] * 5, [0.1] * 2, [0.1] * 5]), 9) == [5, 2, 2]
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def _seq_with_drafts(drafts: list[int], temperature: float) -> Sequence:
+    s = Sequence("r", [0, 1], 2, SamplingParams(temperature=temperature, max_tokens=16))
+    s.draft_token_ids = list(drafts)
+    return s
+
+
+def test_greedy_verification_accepts_while_equal_to_argmax():
+    rows = torch.full((4, 6), -5.0)
+    for j, t in enumerate([3, 4, 1, 2]):
+        rows[j, t] = 5.0
+    assert SpecDecoder._verify_one(rows, _seq_with_drafts([3, 4, 5], 0.0)) == [3, 4, 1]  # third draft wrong
+    assert SpecDecoder._verify_one(rows, _seq_with_drafts([3, 4, 1], 0.0)) == [3, 4, 1, 2]  # bonus token
+    assert SpecDecoder._verify_one(rows, _seq_with_drafts([0, 4, 1], 0.0)) == [3]
+
+
+def _chi2_pvalue(a: list[int], b: list[int]) -> float:
+    """Chi-square test that two count vectors come from one distribution (cells with fewer
+    than 10 expected merged)."""
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    order = torch.argsort(a + b, descending=True)
+    a, b = a[order], b[order]
+    na, nb = float(a.sum()), float(b.sum())
+    cells, ca, cb = [], 0.0, 0.0
+    for x, y in zip(a.tolist(), b.tolist()):
+        ca, cb = ca + x, cb + y
+        if (ca + cb) * min(na, nb) / (na + nb) >= 10:
+            cells.append((ca, cb))
+            ca = cb = 0.0
+    if ca + cb:
+        cells[-1] = (cells[-1][0] + ca, cells[-1][1] + cb)
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    dof = max(1, len(cells) - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_sampling_verification_is_lossless_on_a_known_distribution():
+    """Rows p0 (first token) and p1 (second token, given the first draft): the emitted first
+    token is distributed as p0 and, when it is the draft, the second as p1, whatever the draft."""
+    torch.manual_seed(0)
+    vocab, n = 6, 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 1.0, 0.0, 0.7],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    p0, p1 = logits[0].softmax(-1), logits[1].softmax(-1)
+    for draft in ([0, 1], [4, 3]):  # a likely and an unlikely first draft
+        firsts, seconds = [0] * vocab, [0] * vocab
+        for _ in range(n):
+            out = SpecDecoder._verify_one(logits, _seq_with_drafts(draft, 1.0))
+            firsts[out[0]] += 1
+            if out[0] == draft[0]:
+                seconds[out[1]] += 1
+        want0 = (p0 * n).round().long().tolist()
+        want1 = (p1 * sum(seconds)).round().long().tolist()
+        assert _chi2_pvalue(firsts, want0) > 1e-3, (draft, firsts, want0)
+        assert _chi2_pvalue(seconds, want1) > 1e-3, (draft, seconds, want1)
+
+
+@pytest.fixture(scope="module")
+def toy_model(tmp_path_factory):
+    """A 2-layer Llama with an 8-token vocabulary and a sharpened head (peaked distributions,
+    so drafts are both accepted and rejected often)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("toy_llama")
+    cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    model = save_tiny(path, cfg, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(path)
+    return path
+
+
+def _sample_many(model_dir, spec: SpecConfig | None, n: int, seed: int) -> tuple[list[tuple], LLMEngine]:
+    torch.manual_seed(seed)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=128, speculative=spec,
+                                               packed_weights=False))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: prompt lookup always has a draft
+    sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    outs = {}
+    for start in range(0, n, 128):
+        for i in range(start, min(n, start + 128)):
+            engine.add_request(str(i), prompt, sp)
+            outs[str(i)] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id] += o.new_token_ids
+    return [tuple(v) for v in outs.values()], engine
+
+
+def test_speculative_sampling_matches_plain_sampling_in_distribution(toy_model):
+    n = 3000
+    plain, _ = _sample_many(toy_model, None, n, seed=1)
+    spec_out, engine = _sample_many(toy_model, SpecConfig("ngram", num_speculative_tokens=3, verify="fixed",
+                                                          ngram_min=1), n, seed=2)
+    s = engine.spec
+    assert s.num_draft_tokens > 1000 and 0 < s.num_accepted_tokens < s.num_draft_tokens  # both paths taken
+    assert all(len(o) == 3 for o in plain + spec_out)
+    for pos in range(3):
+        a, b = [0] * 8, [0] * 8
+        for o in plain:
+            a[o[pos]] += 1
+        for o in spec_out:
+            b[o[pos]] += 1
+        assert _chi2_pvalue(a, b) > 1e-3, (pos, a, b)
+    pairs = lambda outs: [sum(1 for o in outs if o[:2] == (x, y)) for x in range(8) for y in range(8)]
+    assert _chi2_pvalue(pairs(plain), pairs(spec_out)) > 1e-3
+
+
+# ---------------------------------------------------------------------------- greedy, real model
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model(progress=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    texts = ["Rewrite this code, renaming a to x and b to y:\n" + code,
+             "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox.",
+             "What is the capital of France?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for t in texts]
+    return model_dir, prompts
+
+
+def _greedy(model_dir, prompts, spec, n=40, logprobs=False):
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, batch_invariant=True, speculative=spec))
+    out = {str(i): [] for i in range(len(prompts))}
+    lps = {str(i): [] for i in range(len(prompts))}
+    sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=logprobs, top_logprobs=2 if logprobs else 0)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if logprobs:
+                lps[o.request_id] += o.logprobs
+    return out, lps, engine
+
+
+def test_greedy_speculation_equals_plain_decoding_token_for_token(smol):
+    model_dir, prompts = smol
+    base, base_lps, _ = _greedy(model_dir, prompts, None, logprobs=True)
+    for spec in (SpecConfig("ngram", num_speculative_tokens=1, verify="fixed"),
+                 SpecConfig("ngram", num_speculative_tokens=7, verify="fixed"),
+                 SpecConfig("ngram", num_speculative_tokens=5),
+                 SpecConfig("draft", num_speculative_tokens=3, draft_layers=4, verify="fixed", draft_stop=0.0)):
+        out, lps, engine = _greedy(model_dir, prompts, spec, logprobs=True)
+        assert out == base, spec
+        assert engine.spec.num_draft_tokens > 0, spec
+        if spec.method == "ngram":
+            assert engine.spec.num_accepted_tokens > 0, spec
+        for rid in base:  # logprobs of the same tokens, from the verification rows
+            assert len(lps[rid]) == len(base_lps[rid])
+            for x, y in zip(lps[rid], base_lps[rid]):
+                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-3
+
+
+def test_speculation_frees_kv_and_respects_max_tokens_and_stop(smol):
+    model_dir, prompts = smol
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, speculative=SpecConfig("ngram")))
+    free = engine.block_manager.num_free_blocks
+    for i, p in enumerate(prompts):
+        engine.add_request(f"len{i}", p, SamplingParams(temperature=0.0, max_tokens=7))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                assert o.finish_reason in ("length", "stop")
+    assert all(len(v) <= 7 for v in out.values()) and any(len(v) == 7 for v in out.values())
+    assert engine.block_manager.num_free_blocks == free
+    # a stop token inside accepted drafts ends the request there
+    base = out["len0"]
+    engine.add_request("stop", prompts[0], SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=[base[3]]))
+    got = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got += o.new_token_ids
+            last = o.finish_reason
+    assert got == base[: base.index(base[3]) + 1] and last == "stop"
+    assert engine.block_manager.num_free_blocks == free
+
+
+def test_structured_output_with_speculation_equals_plain_and_stays_valid(smol):
+    """Drafts are cut where the grammar refuses them and each verify row is masked as after
+    the drafts before it: greedy output equals the non-speculative structured output."""
+    import json
+
+    import jsonschema
+
+    model_dir, prompts = smol
+    schema = {"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}},
+        "required": ["name", "qty"]}}}, "required": ["items"]}
+    specs = [{"type": "json_schema", "schema": schema}, {"type": "regex", "pattern": "(ab){6}c"},
+             {"type": "choice", "choices": ["the quick brown fox", "the lazy dog"]}]
+
+    def run(spec):
+        engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, batch_invariant=True, speculative=spec))
+        out = {}
+        for i, st in enumerate(specs):
+            engine.add_request(str(i), prompts[i % len(prompts)],
+                               SamplingParams(temperature=0.0, max_tokens=80, structured=st))
+            out[str(i)] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+                assert o.finish_reason in (None, "stop"), o.finish_reason
+        return out, engine
+
+    base, _ = run(None)
+    out, engine = run(SpecConfig("ngram", num_speculative_tokens=5, verify="fixed", ngram_min=1))
+    assert out == base
+    assert engine.spec.num_accepted_tokens > 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = [tok.decode(out[str(i)], skip_special_tokens=True) for i in range(3)]
+    jsonschema.validate(json.loads(text[0]), schema)
+    assert text[1] == "ab" * 6 + "c" and text[2] in specs[2]["choices"]
