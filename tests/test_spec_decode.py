@@ -329,3 +329,30 @@ def test_structured_output_with_speculation_equals_plain_and_stays_valid(smol):
     text = [tok.decode(out[str(i)], skip_special_tokens=True) for i in range(3)]
     jsonschema.validate(json.loads(text[0]), schema)
     assert text[1] == "ab" * 6 + "c" and text[2] in specs[2]["choices"]
+
+
+# ---------------------------------------------------------------------------- through the mesh
+
+
+def test_decode_worker_with_speculation_serves_the_same_greedy_text(make_mesh, smol):
+    """A mesh whose decode worker speculates (prompt lookup): streamed and non-streamed
+    completions of token-id prompts equal one batch-invariant engine's greedy tokens (the
+    decode worker's multi-token steps reach the client whole and in order)."""
+    import openai
+
+    model_dir, prompts = smol
+    fast = ["--no-calibrate", "--kv-cache-gb", "0.25", "--batch-invariant"]
+    m = make_mesh(extra_args={"prefill": fast, "decode": fast + ["--speculative", "ngram"]})
+    want, _, _ = _greedy(model_dir, prompts[:2], None, n=48)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    client = openai.OpenAI(base_url=m.gateway_url + "/v1", api_key="test", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    for i, p in enumerate(prompts[:2]):
+        r = client.completions.create(model=model, prompt=p, max_tokens=48, temperature=0)
+        assert r.choices[0].text == tok.decode(want[str(i)], skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(want[str(i)])
+        chunks = client.completions.create(model=model, prompt=p, max_tokens=48, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    client.close()

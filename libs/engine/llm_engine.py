@@ -424,6 +424,7 @@ class LLMEngine:
         """One synchronous step: schedule, prepare, forward + sample, update."""
         if self._inflight is not None:  # coming from step_async: collect that step first
             return self._collect(None)
+        t0 = time.perf_counter()
         step = self._launch(can_preempt=True)
         if step is None:
             return []
@@ -432,7 +433,10 @@ class LLMEngine:
         except BaseException:
             self._drop(step)  # so aborting its sequences frees their blocks
             raise
-        return self._finish(step, result)
+        outputs = self._finish(step, result)
+        if self.spec is not None:  # what a step costs besides its forward pass (drafting, sampling, ...)
+            self.spec.observe_overhead(time.perf_counter() - t0 - self.last_step_s)
+        return outputs
 
     def step_async(self) -> list[StepOutput]:
         """One iteration of the overlapped loop (async scheduling, vLLM v1).

@@ -27,8 +27,9 @@ Verification length (``SpecConfig.verify``): ``fixed`` verifies min(γ, drafts)
 per request. ``adaptive`` is DSpark's Algorithm 1 (deepseek-ai/DeepSpec;
 TECHNIQUES §6): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
 starting from ℓ_r = 0, the (r, j) are visited by decreasing a_{r,j}, each adding
-one token to the step and a_{r,j} expected tokens, while the expected throughput
-τ · SPS(B) still grows. SPS(B), verify steps per second at B tokens, is the
+one token to the step and a_{r,j} expected tokens, and the prefix of that order
+with the highest expected throughput τ · SPS(B) is verified (Algorithm 1 stops at
+the first token that does not raise it; see ``_choose`` for why all are scanned). SPS(B), verify steps per second at B tokens, is the
 ``SpsCurve``: profiled at start-up (``SpecDecoder.profile``) and refined online
 from every decode/verify step's measured time; prefill chunks sharing the step
 add their cost-model time. Light load: a step costs about the same with a few
@@ -259,6 +260,7 @@ class SpecDecoder:
         self.num_spec_seqs = 0
         cost = engine.cost_model
         self.sps = SpsCurve(lambda b: cost.a + cost.b * b)
+        self.overhead_s = 0.0  # a step's seconds besides the forward pass (``observe_overhead``)
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
     # --- which requests -------------------------------------------------------------
@@ -350,10 +352,12 @@ class SpecDecoder:
                 left -= lengths[-1]
             return lengths
         cost = self.engine.cost_model
-        # prefill chunks in the step: their cost-model time; decode/verify tokens: the SPS curve
+        # prefill chunks in the step: their cost-model time; decode/verify tokens: the SPS curve;
+        # plus the step's overhead besides the forward pass
         prefill_s = sum(cost.piece_cost(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs
                         if s.num_scheduled_tokens > 1)
         num_tokens = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
+        prefill_s += self.overhead_s
         step_s = prefill_s + self.sps(num_tokens)
         tau = float(sum(1 for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)))
         best = tau / step_s if step_s > 0 else 0.0
@@ -364,19 +368,28 @@ class SpecDecoder:
                 a *= c
                 order.append((-a, j, r))
         order.sort()
-        lengths, chosen = [0] * len(drafts), [0] * len(drafts)
-        for neg_a, j, r in order[:tokens_left]:
-            num_tokens += 1
-            step_s = prefill_s + self.sps(num_tokens)
+        # NOTE: Algorithm 1 stops at the first (r, j) that does not raise Θ; this scans them all and
+        # keeps the best prefix of the order. The same answer where SPS(B) is smooth and concave,
+        # but the measured CPU curve is not (steep below 32 tokens, flatter beyond: GEMM kernels
+        # change with the row count), and stopping at the first steep stretch left the cheap one
+        # beyond it unused (adaptive ran 6% behind fixed k=5 at 32 requests).
+        best_n, num_tokens0 = 0, num_tokens
+        for n, (neg_a, j, r) in enumerate(order[:tokens_left], 1):
+            step_s = prefill_s + self.sps(num_tokens0 + n)
             tau += -neg_a
-            if step_s <= 0 or tau / step_s <= best:
-                break
-            best = tau / step_s
-            chosen[r] = j + 1
-            lengths = list(chosen)
+            if step_s > 0 and tau / step_s > best:
+                best, best_n = tau / step_s, n
+        lengths = [0] * len(drafts)
+        for _, j, r in order[:best_n]:
+            lengths[r] = max(lengths[r], j + 1)
         return lengths
 
     # --- SPS(B) ---------------------------------------------------------------------
+    def observe_overhead(self, seconds: float) -> None:
+        """A whole step's seconds beyond its forward pass (scheduling, drafting, verification,
+        bookkeeping): an exponential moving average added to every step's predicted time."""
+        self.overhead_s += 0.1 * (max(0.0, seconds) - self.overhead_s)
+
     def observe_step(self, pieces: list[tuple[int, int]], seconds: float) -> None:
         """A step's measured forward time; decode/verify steps (no prefill chunk) refine SPS(B).
         ``pieces``: (tokens fed, context) per sequence."""
