@@ -29,6 +29,7 @@ Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 25 minutes on
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -92,12 +93,16 @@ def run(model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | Non
     tokens = sum(len(v) for v in out.values())
     speeds = [(len(out[r]) - 1) / (done_at[r] - first_at[r]) for r in out if len(out[r]) > 1 and done_at[r] > first_at[r]]
     s = engine.spec
-    return {
+    res = {
         "outputs": out, "tokens": tokens, "wall": wall, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu,
         "req_speed": statistics.mean(speeds) if speeds else 0.0,
         "accept_len": (s.num_accepted_tokens + s.num_spec_seqs) / s.num_spec_seqs if s and s.num_spec_seqs else 1.0,
         "verify_budget": s.num_draft_tokens / s.num_verify_steps if s and s.num_verify_steps else 0.0,
     }
+    engine.spec = None  # the decoder refers back to the engine: break the cycle, free the KV cache now
+    del engine, s
+    gc.collect()
+    return res
 
 
 def main() -> None:

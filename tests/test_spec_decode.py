@@ -331,6 +331,38 @@ def test_structured_output_with_speculation_equals_plain_and_stays_valid(smol):
     assert text[1] == "ab" * 6 + "c" and text[2] in specs[2]["choices"]
 
 
+def test_structured_drafts_stop_before_eos(smol):
+    """A few-shot history answered "12" makes prompt lookup draft ["2", EOS] after "1": the
+    draft is cut before EOS (verifying a consumed EOS corrupted the grammar's rollback and gave
+    "132" for a two-digit regex); the output equals the non-speculative one."""
+    from transformers import AutoTokenizer
+
+    model_dir, _ = smol
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    st = {"type": "regex", "pattern": "[0-9]{2}"}
+    prompts = []
+    for hist, ask in [("12", "Give me 13."), ("10", "Give me 19."), ("12", "Give me 15.")]:
+        msgs = [{"role": "user", "content": "Give me a two-digit number."}, {"role": "assistant", "content": hist},
+                {"role": "user", "content": ask}]
+        prompts.append(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    outs = []
+    for spec in (None, SpecConfig("ngram", num_speculative_tokens=5, verify="fixed", ngram_min=1)):
+        engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=32 << 20, batch_invariant=True, speculative=spec))
+        out, reasons = {}, {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=8, structured=st))
+            out[str(i)] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+                reasons[o.request_id] = o.finish_reason or reasons.get(o.request_id)
+        assert set(reasons.values()) == {"stop"}
+        outs.append(out)
+        for v in out.values():
+            assert len(tok.decode(v, skip_special_tokens=True)) == 2
+    assert outs[0] == outs[1]
+
+
 # ---------------------------------------------------------------------------- through the mesh
 
 

@@ -261,6 +261,29 @@ def test_tool_call_grammar_accepts_the_parsers_format_only(compiler, tok):
             assert [c.name for c in ToolCallParser().feed(text)[1]] == [json.loads(text.split("\n")[1])["name"]]
 
 
+def test_tool_parameters_are_the_root_of_their_own_references_and_always_objects(compiler, tok):
+    """``#`` and ``#/properties/...`` in a tool's parameters resolve inside those parameters (not the
+    call around them); ``{}`` means any object, a non-object schema is refused."""
+    tree = {"type": "object", "properties": {"label": {"type": "string"}, "children": {"type": "array",
+            "items": {"$ref": "#"}}}, "required": ["label"], "additionalProperties": False}
+    ptr = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}
+
+    def accepts(tools, name, args) -> bool:
+        spec = {"type": "grammar", "lark": tool_call_grammar(tools, parallel=False)}
+        ids = tok.encode("<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>")
+        return compiler.matcher(spec).validate(ids + [EOS]) == len(ids) + 1
+
+    assert accepts([("t", tree)], "t", {"label": "r", "children": [{"label": "c", "children": []}]})
+    assert not accepts([("t", tree)], "t", {"label": "r", "children": [{"name": "t", "arguments": {"label": "c"}}]})
+    assert accepts([("p", ptr)], "p", {"a": 1, "b": 2}) and not accepts([("p", ptr)], "p", {"a": 1, "b": "x"})
+    assert accepts([("e", {})], "e", {"any": [1]})
+    for args in (None, "now", [1], 3):
+        assert not accepts([("e", {})], "e", args), args
+    for bad in ({"type": "string"}, True):
+        with pytest.raises(StructuredOutputError, match="type 'object'"):
+            tool_call_grammar([("e", bad)])
+
+
 # --- the engine on the real model --------------------------------------------------------------
 
 
@@ -359,6 +382,14 @@ def test_prefill_engine_masks_the_first_token_and_decode_continues_the_grammar(e
         for o in engine.step():
             rest += o.new_token_ids
     assert tok.decode(out.new_token_ids + rest[:-1]) in spec["choices"] and rest[-1] == EOS
+
+
+def test_ignore_eos_stops_when_the_grammar_is_complete(engine, tok):
+    """Nothing may follow a complete grammar: an ``ignore_eos`` request ends there with "stop"."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                        structured={"type": "choice", "choices": ["yes", "no"]})
+    tokens, reason = run(engine, {"r": (chat(tok, "Yes or no?"), sp)})["r"]
+    assert reason == "stop" and tok.decode(tokens, skip_special_tokens=True) in ("yes", "no")
 
 
 def test_the_engine_refuses_an_unsupported_spec_and_the_mock_engine_any_spec(engine, model_dir):

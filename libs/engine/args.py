@@ -10,6 +10,13 @@ from deepinfer.engine.mock import DEFAULT_COST, MockConfig, load_cost_file, pars
 from deepinfer.engine.spec_decode import SpecConfig
 
 
+def _positive(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return n
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=int(os.environ.get("DEEPINFER_BLOCK_SIZE", 16)),
                    help="tokens per KV block (default 16)")
@@ -43,11 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=os.environ.get("DEEPINFER_SPECULATIVE", "none"),
                    help="decode workers: speculative decoding with prompt-lookup (ngram) or self-draft (draft: the "
                         "model's first --draft-layers layers) drafts (env DEEPINFER_SPECULATIVE; default none)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per request per step (γ)")
+    p.add_argument("--num-speculative-tokens", type=_positive, default=5,
+                   help="most draft tokens per request per step (γ, default 5)")
     p.add_argument("--spec-verify", choices=["adaptive", "fixed"], default="adaptive",
-                   help="verification length: adaptive (DSpark Algorithm 1 on the step cost model) or fixed "
-                        "(every draft up to γ); default adaptive")
-    p.add_argument("--draft-layers", type=int, default=None,
+                   help="verification length: adaptive (DSpark Algorithm 1 over the profiled SPS(B) curve) or "
+                        "fixed (every draft up to γ); default adaptive")
+    p.add_argument("--draft-layers", type=_positive, default=None,
                    help="layers of the self-draft (default: a quarter of the model's)")
     p.add_argument("--engine", choices=["native", "mock"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
                    help="native: the model; mock: no model, steps sleep by a timing model, deterministic "

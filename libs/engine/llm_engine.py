@@ -595,7 +595,8 @@ class LLMEngine:
         """Structured output, after ``scheduler.update``: each running sequence's matcher consumes
         the output tokens appended since it last did (``matcher.num_tokens`` counts them); a
         finished sequence's matcher is dropped. A token the grammar refuses, or a grammar that
-        failed to build, ends the request with "error" (a bug, never a silent bad output)."""
+        failed to build, ends the request with "error" (a bug, never a silent bad output); a
+        complete grammar ends an ``ignore_eos`` request with "stop" (nothing else may follow)."""
         for seq in seqs:
             m = seq.matcher
             if m is None:
@@ -609,6 +610,10 @@ class LLMEngine:
                 self.scheduler.abort(seq.request_id)  # frees its blocks unless a launched step holds them
                 self.generators.pop(seq.request_id, None)
                 seq.finish_reason, seq.matcher = "error", None
+            elif seq.sampling.ignore_eos and m.is_terminated:  # complete: EOS would not stop it, so stop here
+                self.scheduler.abort(seq.request_id)
+                self.generators.pop(seq.request_id, None)
+                seq.finish_reason, seq.matcher = "stop", None
 
     def _export_kv(self, seq: Sequence, out: StepOutput) -> None:
         """A prefill-only engine's finished prompt: its KV blocks into ``out`` (see ``StepOutput``).

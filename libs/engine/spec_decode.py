@@ -252,6 +252,8 @@ class SpecDecoder:
         self.calibrator = AcceptanceCalibrator(config.prior, config.prior_weight)
         num_layers = engine.model_config.num_hidden_layers
         self.draft_layers = config.draft_layers or max(1, num_layers // 4)
+        if config.draft_layers is not None and config.draft_layers < 1:
+            raise ValueError("draft_layers must be >= 1")
         if config.method == "draft" and not 1 <= self.draft_layers < num_layers:
             raise ValueError(f"draft_layers must be in [1, {num_layers - 1}]")
         self.num_verify_steps = 0
@@ -299,9 +301,13 @@ class SpecDecoder:
         else:
             drafts = [self._ngram_draft(s, budgets[id(s)]) for s in cands]
             fits = cands
+        eos = set(self.engine.model_config.eos_token_ids)
         for s, d in zip(fits, drafts):  # structured output: drafts stop at the first the grammar refuses
             if s.matcher is not None and d.tokens:
+                # and before EOS: the matcher does not count a consumed EOS as a token it can roll
+                # back, so verifying one would corrupt its state (EOS is still sampled after them)
                 n = s.matcher.validate(d.tokens)
+                n = next((j for j, t in enumerate(d.tokens[:n]) if t in eos), n)
                 del d.tokens[n:], d.confidences[n:], d.buckets[n:]
         lengths = self._choose(seqs, fits, drafts, tokens_left)
         for s, d, n in zip(fits, drafts, lengths):

@@ -20,8 +20,10 @@ Where each piece runs::
     engine    the sampled token -> matcher.accept([token]); finished / aborted -> matcher dropped
 
 JSON is generated in one fixed layout, ``json.dumps``' default (``", "`` and ``": "``, no other
-whitespace): a small model given free whitespace may spend its whole budget on it. Unknown or
-unimplemented JSON-schema keywords are errors (llguidance's strict default, never ``lenient``).
+whitespace): a small model given free whitespace may spend its whole budget on it. JSON-schema
+keywords llguidance knows but does not implement (``uniqueItems``, ``not``, ...) are errors
+(its strict default, never ``lenient``); keywords unknown to JSON Schema are ignored, as the
+specification says.
 When the grammar is complete the mask allows only the model's EOS tokens, so the request ends
 with "stop".
 

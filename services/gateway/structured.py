@@ -85,6 +85,9 @@ def _vllm_spec(name: str, value) -> dict:
         if unknown:
             raise bad_request(f"structured_outputs: unsupported key(s) {', '.join(unknown)}; expected one of "
                               f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}", param=name)
+        if value.get("disable_additional_properties"):  # (disable_any_whitespace: our JSON never has free space)
+            raise bad_request("structured_outputs: disable_additional_properties is not supported; set "
+                              "\"additionalProperties\": false in the schema instead", param=name)
         if len(keys) != 1:
             raise bad_request(f"structured_outputs needs exactly one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}",
                               param=name)

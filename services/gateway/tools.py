@@ -29,7 +29,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from deepinfer.engine.structured import json_lark, lark_string
+from deepinfer.engine.structured import StructuredOutputError, json_lark, lark_string
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # a function declared without ``parameters`` takes none
@@ -139,25 +139,32 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _object_schema(name: str, parameters: dict | None) -> dict:
+    """A tool's parameters as a schema of JSON objects (the parser takes object arguments only)."""
+    if parameters is None:
+        return NO_PARAMETERS
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise StructuredOutputError(f"tool {name!r}: parameters must be a JSON schema of type 'object'")
+    return {**parameters, "type": "object"}
+
+
 def tool_call_grammar(tools: list[tuple[str, dict | None]], parallel: bool = True) -> str:
     """A Lark grammar (llguidance's dialect) for output made only of tool calls in this module's
     format: one call, or with ``parallel`` one or more separated by a newline, each
     ``<tool_call>\n{"name": N, "arguments": A}\n</tool_call>`` where N is one of ``tools``' names
     and A an instance of that tool's parameters schema (None = no parameters).
 
-    Each tool is its own ``%json`` rule whose root carries the parameters' ``$defs`` /
-    ``definitions``, so their ``#/$defs/...`` references still resolve. Raises
-    StructuredOutputError (``engine.structured``) for parameters that are not a JSON object.
+    Each tool's arguments are their own ``%json`` rule whose root is the tool's parameters schema,
+    so every reference in it (``#``, ``#/properties/...``, ``#/$defs/...``) resolves as in the
+    schema itself. Parameters ``{}`` (or without a ``type``) mean a JSON object. Raises
+    StructuredOutputError (``engine.structured``) for parameters that are not an object schema.
     """
     rules = []
     for i, (name, parameters) in enumerate(tools):
-        parameters = NO_PARAMETERS if parameters is None else parameters
-        call = {"type": "object",
-                "properties": {"name": {"const": name}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-        if isinstance(parameters, dict):
-            call |= {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
-        rules.append(f"tool{i}: {json_lark(call)}")
+        parameters = _object_schema(name, parameters)
+        head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        rules.append(f"tool{i}: {lark_string(head)} args{i} {lark_string('}')}")
+        rules.append(f"args{i}: {json_lark(parameters)}")
     return "\n".join([
         'start: call ("\\n" call)*' if parallel else "start: call",
         f'call: {lark_string(OPEN + chr(10))} body {lark_string(chr(10) + CLOSE)}',
