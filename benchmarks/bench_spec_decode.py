@@ -91,7 +91,8 @@ def run(model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | Non
                 done_at[o.request_id] = now
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(v) for v in out.values())
-    speeds = [(len(out[r]) - 1) / (done_at[r] - first_at[r]) for r in out if len(out[r]) > 1 and done_at[r] > first_at[r]]
+    speeds = [(len(out[r]) - 1) / (done_at[r] - first_at[r])
+              for r in out if len(out[r]) > 1 and done_at[r] > first_at[r]]
     s = engine.spec
     res = {
         "outputs": out, "tokens": tokens, "wall": wall, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu,

@@ -38,8 +38,9 @@ class StepInputs:
     """One step's model inputs. input_ids, positions: [T] int64 (packed tokens of
     all sequences); logits_index: [R] int64, packed index of each sequence's last
     fed token (R = B), and for a sequence with k draft tokens of the k tokens fed
-    before it too (its anchor and drafts: k + 1 rows, in order); placeholders: (index in input_ids, sequence, position) of tokens
-    still being sampled by an in-flight step."""
+    before it too (its anchor and drafts: k + 1 rows, in order); placeholders:
+    (index in input_ids, sequence, position) of tokens still being sampled by an
+    in-flight step."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor

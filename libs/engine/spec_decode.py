@@ -28,14 +28,15 @@ per request. ``adaptive`` is DSpark's Algorithm 1 (deepseek-ai/DeepSpec;
 TECHNIQUES §6): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
 starting from ℓ_r = 0, the (r, j) are visited by decreasing a_{r,j}, each adding
 one token to the step and a_{r,j} expected tokens, and the prefix of that order
-with the highest expected throughput τ · SPS(B) is verified (Algorithm 1 stops at
-the first token that does not raise it; see ``_choose`` for why all are scanned). SPS(B), verify steps per second at B tokens, is the
-``SpsCurve``: profiled at start-up (``SpecDecoder.profile``) and refined online
-from every decode/verify step's measured time; prefill chunks sharing the step
-add their cost-model time. Light load: a step costs about the same with a few
-more tokens (weights are read once either way), so long drafts pay; heavy load:
-each verified token costs, so only likely ones do. (A linear cost model, fine
-for chunking prefills, overprices extra tokens at small B; hence the curve.)
+with the highest expected throughput τ · SPS(B) is verified (Algorithm 1 stops
+at the first token that does not raise it; see ``_choose`` for why all are
+scanned). SPS(B), verify steps per second at B tokens, is the ``SpsCurve``:
+profiled at start-up (``SpecDecoder.profile``) and refined online from every
+decode/verify step's measured time; prefill chunks sharing the step add their
+cost-model time. Light load: a step costs about the same with a few more tokens
+(weights are read once either way), so long drafts pay; heavy load: each
+verified token costs, so only likely ones do. (A linear cost model, fine for
+chunking prefills, overprices extra tokens at small B; hence the curve.)
 
 Verification is lossless (Leviathan et al., arXiv 2211.17192). Greedy: accept
 while the draft equals the target's argmax; the first mismatch is replaced by
