@@ -361,11 +361,10 @@ class SpecDecoder:
         cost = self.engine.cost_model
         # prefill chunks in the step: their cost-model time; decode/verify tokens: the SPS curve;
         # plus the step's overhead besides the forward pass
-        prefill_s = sum(cost.piece_cost(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs
-                        if s.num_scheduled_tokens > 1)
+        fixed_s = self.overhead_s + sum(cost.piece_cost(s.num_scheduled_tokens, s.num_computed_tokens)
+                                        for s in seqs if s.num_scheduled_tokens > 1)
         num_tokens = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
-        prefill_s += self.overhead_s
-        step_s = prefill_s + self.sps(num_tokens)
+        step_s = fixed_s + self.sps(num_tokens)
         tau = float(sum(1 for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)))
         best = tau / step_s if step_s > 0 else 0.0
         order = []
@@ -380,9 +379,9 @@ class SpecDecoder:
         # but the measured CPU curve is not (steep below 32 tokens, flatter beyond: GEMM kernels
         # change with the row count), and stopping at the first steep stretch left the cheap one
         # beyond it unused (adaptive ran 6% behind fixed k=5 at 32 requests).
-        best_n, num_tokens0 = 0, num_tokens
+        best_n = 0
         for n, (neg_a, j, r) in enumerate(order[:tokens_left], 1):
-            step_s = prefill_s + self.sps(num_tokens0 + n)
+            step_s = fixed_s + self.sps(num_tokens + n)
             tau += -neg_a
             if step_s > 0 and tau / step_s > best:
                 best, best_n = tau / step_s, n
@@ -519,7 +518,7 @@ class SpecDecoder:
                 residual = weights[j].clone()
                 residual[d] = 0.0
                 if not math.isfinite(float(residual.sum())) or float(residual.sum()) <= 0:
-                    residual = weights[j]  # p was a point mass on d: cannot happen when u >= p(d) = 1
+                    residual = weights[j]  # float rounding: p(d) just under 1 and u above it
                 return out + [int(_draw(residual[None], [None])[0])]
             out.append(d)
         return out + [int(_draw(weights[len(drafts)][None], [None])[0])]
