@@ -12,17 +12,17 @@ mode: output tokens per CPU-second and per wall second (all requests; the ratios
 use CPU seconds), per-request speed (output tokens / the request's own decode
 wall time, mean), mean acceptance length (tokens a request emits per step it
 verifies drafts in), verify budget (draft tokens verified per step, mean), and
-the ratios to fixed k=5 and to no speculation. Modes: none, fixed k = 1, 3, 5,
-adaptive (γ = 8: it may verify more than 5 where that pays).
+the ratios to fixed k=5 and to no speculation. Modes: none, fixed k = 1, 3, 5, 8,
+adaptive (γ = 8: up to 8 drafts per request where they pay).
 
 NOTE (noise): on this shared 2-core VM the same run's wall time varied by up to
 35% between runs minutes apart; one torch thread's CPU time varies much less.
 So the engine runs one torch thread (``--threads``), the modes run interleaved
 in ``--rounds`` rounds, and each mode's best round is reported. Each round builds
-a fresh engine (warmed, its step cost model calibrated and its SPS(B) curve
-profiled at start-up, as a decode worker's is).
+a fresh engine (warmed, its step cost model calibrated at start-up, as a
+decode worker's is).
 
-Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 25 minutes on
+Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 35 minutes on
 2 CPU cores; ``--concurrency 1 --rounds 1`` for a quick look).
 """
 
@@ -120,6 +120,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     modes = [("none", None), ("fixed k=1", SpecConfig("ngram", 1, "fixed")),
              ("fixed k=3", SpecConfig("ngram", 3, "fixed")), ("fixed k=5", SpecConfig("ngram", 5, "fixed")),
+             ("fixed k=8", SpecConfig("ngram", 8, "fixed")),
              ("adaptive", SpecConfig("ngram", 8, "adaptive"))]
     print(f"SmolLM2-135M-Instruct, fp32, {args.threads} torch thread(s), greedy, max_tokens {args.max_tokens}, "
           f"ngram drafts; load average {os.getloadavg()[0]:.2f}")

@@ -22,11 +22,13 @@ from model_helpers import save_tiny
 def test_ngram_index_takes_the_longest_suffix_and_its_latest_occurrence():
     idx = NgramIndex(1, 3)
     toks = [5, 6, 7, 8, 9, 6, 7, 1, 2, 5, 6, 7]
-    # suffix [5, 6, 7] occurred at 0..3: what followed it is the draft
-    assert idx.lookup(toks, 3) == (3, [8, 9, 6])
+    # suffix [5, 6, 7] occurred at 0..3: what followed it is the draft (each n-gram on the
+    # way was followed by nothing else: shares 1)
+    assert idx.lookup(toks, 3) == (3, [8, 9, 6], [1.0, 1.0, 1.0])
     toks += [8, 0, 6]  # now only the 1-gram [6] matches; its latest earlier occurrence is at 10
-    assert idx.lookup(toks, 2) == (1, [7, 8])
-    assert NgramIndex(2, 3).lookup([1, 2, 3, 4], 4) == (0, [])  # no repeat, no draft
+    # [6] was followed by 7 three times of three; [7] by 8 twice, by 1 once
+    assert idx.lookup(toks, 2) == (1, [7, 8], [1.0, 2 / 3])
+    assert NgramIndex(2, 3).lookup([1, 2, 3, 4], 4) == (0, [], [])  # no repeat, no draft
 
 
 def test_ngram_index_is_incremental():

@@ -211,8 +211,6 @@ class LLMEngine:
                 raise ValueError("speculative decoding is not supported on hybrid sliding-window models")
             config.async_scheduling = False
             self.spec = SpecDecoder(config.speculative, self)
-            if config.calibrate:
-                self.spec.profile()
 
     def _init_scheduling(self, eos_token_ids: list[int]) -> None:
         """The model-independent part: cost model, scheduler, counters, optional calibration
@@ -536,8 +534,6 @@ class LLMEngine:
         self.last_step_s = time.perf_counter() - t0
         self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
-        if self.spec is not None:
-            self.spec.observe_step(step.pieces, self.last_step_s)
         if self.spec is not None and any(s.draft_token_ids for s in step.seqs):
             result = self.spec.verify(logits, step.seqs, step.sampling, self.generators,
                                       self.model_config.eos_token_ids)

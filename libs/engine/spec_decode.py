@@ -62,7 +62,6 @@ consumes the emitted tokens.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +70,6 @@ from deepinfer.engine.sampler import (MIN_TEMPERATURE, SampleResult, _draw, _has
                                       apply_logits_processors, sample, sampling_weights)
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import allocate_bitmask
-from deepinfer.protocol import SamplingParams
 
 METHODS = ("ngram", "draft")
 VERIFY_MODES = ("adaptive", "fixed")
@@ -154,91 +152,41 @@ class AcceptanceCalibrator:
                     c[1] /= 2
 
 
-class SpsCurve:
-    """Step seconds T(B) of a decode/verify step feeding B tokens (SPS(B) = 1 / T(B)).
-
-    A piecewise-linear curve on a fixed grid of B (1, 2, 4, ... tokens): the start-up
-    profile sets the grid values; each measured step then moves the two grid values
-    around its B toward the measurement, in proportion to their interpolation
-    weights (a least-squares step with rate ``alpha``), so shapes the profile did not
-    time (one request verifying many drafts vs many requests one token each) are
-    learned without noise at single B values making the curve jump. T is read
-    non-decreasing in B; beyond the grid it grows with the last segment's slope.
-    Before the profile, ``fallback(B)`` (the engine's linear step cost model) answers.
-    """
-
-    GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-    def __init__(self, fallback, alpha: float = 0.1):
-        self.fallback = fallback
-        self.alpha = alpha
-        self.values: list[float] | None = None  # seconds at GRID[i]
-
-    def set_profile(self, points: dict[int, float]) -> None:
-        """Grid values from profiled (B, seconds) points (interpolated / extended in between)."""
-        xs = sorted(points)
-        ys = [points[x] for x in xs]
-        self.values = [self._interp(xs, ys, g) for g in self.GRID]
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if self.values is None:
-            return
-        i, w = self._cell(num_tokens)
-        err = seconds - ((1 - w) * self.values[i] + w * self.values[i + 1])
-        self.values[i] += self.alpha * (1 - w) * err
-        self.values[i + 1] += self.alpha * w * err
-
-    def __call__(self, num_tokens: float) -> float:
-        """Predicted seconds of a step of ``num_tokens`` tokens."""
-        if self.values is None:
-            return self.fallback(num_tokens)
-        ys, top = [], 0.0
-        for v in self.values:
-            top = max(top, v)
-            ys.append(top)
-        return self._interp(list(self.GRID), ys, num_tokens)
-
-    def _cell(self, b: float) -> tuple[int, float]:
-        g = self.GRID
-        for i in range(len(g) - 1):
-            if b <= g[i + 1]:
-                return i, max(0.0, (b - g[i]) / (g[i + 1] - g[i]))
-        return len(g) - 2, 1.0
-
-    @staticmethod
-    def _interp(xs: list[float], ys: list[float], x: float) -> float:
-        """Linear interpolation of (xs, ys) at x (xs increasing); constant below xs[0],
-        the last segment's slope beyond xs[-1]."""
-        if len(xs) == 1 or x <= xs[0]:
-            return ys[0]
-        i = next((i for i in range(1, len(xs)) if x <= xs[i]), len(xs) - 1)
-        return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
-
-
 class NgramIndex:
     """Per-request prompt-lookup index: for each n, n-gram -> end (exclusive) of its latest
-    occurrence that is not the context's own suffix."""
+    occurrence that is not the context's own suffix, and how often each token followed it."""
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.sizes = range(ngram_max, ngram_min - 1, -1)
         self.maps: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
+        self.nexts: dict[int, dict[tuple, dict[int, int]]] = {n: {} for n in self.sizes}
         self.indexed = 0  # n-grams ending at positions < indexed+1 are in the maps
         self.last = "new"  # how the request's last verified drafts fared: "all", "some", "none"
 
-    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+    def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int], list[float]]:
         """(n, up to k tokens that followed the latest earlier occurrence of the longest
-        suffix of ``tokens`` found), or (0, []) without a match."""
+        suffix of ``tokens`` found, per draft token the share of its n-gram's earlier
+        occurrences that it followed), or (0, [], []) without a match."""
         for end in range(self.indexed + 1, len(tokens)):
+            nxt = tokens[end]
             for n in self.sizes:
                 if end >= n:
-                    self.maps[n][tuple(tokens[end - n:end])] = end
+                    gram = tuple(tokens[end - n:end])
+                    self.maps[n][gram] = end
+                    counts = self.nexts[n].setdefault(gram, {})
+                    counts[nxt] = counts.get(nxt, 0) + 1
         self.indexed = max(self.indexed, len(tokens) - 1)
         for n in self.sizes:
             if len(tokens) > n:
                 e = self.maps[n].get(tuple(tokens[-n:]))
                 if e is not None:
-                    return n, tokens[e:e + k]
-        return 0, []
+                    drafts = tokens[e:e + k]
+                    shares = []
+                    for j, t in enumerate(drafts):  # draft j follows the n-gram ending at e + j
+                        counts = self.nexts[n][tuple(tokens[e + j - n:e + j])]
+                        shares.append(counts[t] / sum(counts.values()))
+                    return n, drafts, shares
+        return 0, [], []
 
 
 class SpecDecoder:
@@ -261,8 +209,6 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_spec_seqs = 0
-        cost = engine.cost_model
-        self.sps = SpsCurve(lambda b: cost.a + cost.b * b)
         self.overhead_s = 0.0  # a step's seconds besides the forward pass (``observe_overhead``)
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
@@ -324,8 +270,9 @@ class SpecDecoder:
     def _ngram_draft(self, seq: Sequence, k: int) -> Draft:
         if seq.spec_state is None:
             seq.spec_state = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        n, tokens = seq.spec_state.lookup(seq.token_ids, k)
-        buckets = [("ngram", seq.spec_state.last, j, n) for j in range(len(tokens))]
+        n, tokens, shares = seq.spec_state.lookup(seq.token_ids, k)
+        buckets = [("ngram", "one" if f == 1 else "most" if f >= 0.5 else "few", seq.spec_state.last, j, n)
+                   for j, f in enumerate(shares)]
         return Draft(tokens, [self.calibrator.confidence(b) for b in buckets], buckets)
 
     @torch.inference_mode()
@@ -358,13 +305,10 @@ class SpecDecoder:
                 lengths.append(min(len(d.tokens), left))
                 left -= lengths[-1]
             return lengths
+        # the step's predicted seconds (the engine's step cost model over its pieces, plus the
+        # step's overhead besides the forward pass) and expected tokens without any draft
         cost = self.engine.cost_model
-        # prefill chunks in the step: their cost-model time; decode/verify tokens: the SPS curve;
-        # plus the step's overhead besides the forward pass
-        fixed_s = self.overhead_s + sum(cost.piece_cost(s.num_scheduled_tokens, s.num_computed_tokens)
-                                        for s in seqs if s.num_scheduled_tokens > 1)
-        num_tokens = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
-        step_s = fixed_s + self.sps(num_tokens)
+        step_s = self.overhead_s + cost.predict([(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs])
         tau = float(sum(1 for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)))
         best = tau / step_s if step_s > 0 else 0.0
         order = []
@@ -375,13 +319,12 @@ class SpecDecoder:
                 order.append((-a, j, r))
         order.sort()
         # NOTE: Algorithm 1 stops at the first (r, j) that does not raise Θ; this scans them all and
-        # keeps the best prefix of the order. The same answer where SPS(B) is smooth and concave,
-        # but the measured CPU curve is not (steep below 32 tokens, flatter beyond: GEMM kernels
-        # change with the row count), and stopping at the first steep stretch left the cheap one
-        # beyond it unused (adaptive ran 6% behind fixed k=5 at 32 requests).
+        # keeps the best prefix of the order: the same answer where SPS(B) is concave, and robust
+        # where the measured CPU step time is not (GEMM kernels change with the row count).
         best_n = 0
         for n, (neg_a, j, r) in enumerate(order[:tokens_left], 1):
-            step_s = fixed_s + self.sps(num_tokens + n)
+            # draft j of request r grows its piece from (1 + j, c) to (2 + j, c) tokens
+            step_s += cost.b + cost.d * (cands[r].num_computed_tokens + j + 1.5) + cost.e
             tau += -neg_a
             if step_s > 0 and tau / step_s > best:
                 best, best_n = tau / step_s, n
@@ -390,55 +333,11 @@ class SpecDecoder:
             lengths[r] = max(lengths[r], j + 1)
         return lengths
 
-    # --- SPS(B) ---------------------------------------------------------------------
+    # --- step overhead --------------------------------------------------------------
     def observe_overhead(self, seconds: float) -> None:
         """A whole step's seconds beyond its forward pass (scheduling, drafting, verification,
         bookkeeping): an exponential moving average added to every step's predicted time."""
         self.overhead_s += 0.1 * (max(0.0, seconds) - self.overhead_s)
-
-    def observe_step(self, pieces: list[tuple[int, int]], seconds: float) -> None:
-        """A step's measured forward time; decode/verify steps (no prefill chunk) refine SPS(B).
-        ``pieces``: (tokens fed, context) per sequence."""
-        if all(n <= 1 + self.config.num_speculative_tokens for n, _ in pieces):
-            self.sps.observe(sum(n for n, _ in pieces), seconds)
-
-    def profile(self, context: int = 64, repeats: int = 2) -> None:
-        """Time decode-shaped steps of B = 1, 2, 4, ... tokens (up to 8x ``max_num_seqs``
-        or the token budget): up to 16 dummy sequences at ``context`` tokens, each feeding
-        B / 16 tokens; the fastest of ``repeats`` runs (after one warm-up) per B."""
-        engine = self.engine
-        bm, cap = engine.block_manager, min(engine.config.max_num_batched_tokens, 8 * engine.config.max_num_seqs)
-        sizes = [b for b in SpsCurve.GRID if b <= cap]
-        points = {}
-        for k, b in enumerate(sizes):
-            r = min(b, 16)
-            seqs = self._dummy(r, b // r, context)
-            if seqs is None:
-                break
-            best = float("inf")
-            for i in range(repeats + (k == 0)):  # the very first run warms up
-                t0 = time.perf_counter()
-                engine.runner.run(seqs)
-                if i or k:
-                    best = min(best, time.perf_counter() - t0)
-            for s in seqs:
-                bm.free(s)
-            points[b] = best
-        if points:
-            self.sps.set_profile(points)
-
-    def _dummy(self, num_seqs: int, num_tokens: int, context: int) -> list[Sequence] | None:
-        bm, seqs = self.engine.block_manager, []
-        for i in range(num_seqs):
-            s = Sequence(f"__profile_{i}", [0] * (context + num_tokens), context + num_tokens, SamplingParams())
-            if not bm.can_allocate(s, context + num_tokens):
-                for t in seqs:
-                    bm.free(t)
-                return None
-            bm.allocate(s, context + num_tokens)
-            s.num_computed_tokens, s.num_scheduled_tokens = context, num_tokens
-            seqs.append(s)
-        return seqs
 
     # --- verify ---------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, seqs: list[Sequence], sampling: list[int],
