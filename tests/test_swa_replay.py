@@ -305,11 +305,12 @@ def test_the_prefix_path_is_a_trace_attribute(interleaved, texts, tmp_path, monk
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(prefill_service, "tracer", lambda: provider.get_tracer("test"))
     req = PrefillRequest("r", p2, SamplingParams(), "s")
-    PrefillService.record_prefix_path(SimpleNamespace(trace_contexts={}), req, out)
+    PrefillService.record_spans(SimpleNamespace(queued_at={}), req, out, None)
     (span,) = exporter.get_finished_spans()
     assert span.name == "prefill.prefix" and span.attributes["deepinfer.prefix.path"] == "bounded_replay"
     assert span.attributes["deepinfer.prefix.replayed_tokens"] == WINDOW
     assert span.attributes["deepinfer.prefix.cached_tokens"] == PREFIX - WINDOW
+    assert span.attributes["deepinfer.prefill.chunks"] == len(out.chunk_times) >= 1
 
 
 def test_preempted_or_resumed_sequences_recompute_exactly(interleaved, texts, tmp_path):

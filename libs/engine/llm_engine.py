@@ -27,7 +27,7 @@ import functools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -128,6 +128,11 @@ class StepOutput:
     # KV (hybrid models: earlier ones were released, zeros)
     num_exact_blocks: int = 0
     first_window_block: int = 0
+    # speculative decoding, since the request started: draft tokens verified / accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # a prefill-only engine's finished request: ``Sequence.chunk_times`` (its prompt's steps)
+    chunk_times: list = field(default_factory=list)
 
     def wire_logprobs(self) -> list | None:
         """``TokenChunk.logprobs`` form: per token ``[logprob, [[token_id, logprob], ...]]``."""
@@ -146,6 +151,7 @@ class _Step:
     pieces: list[tuple[int, int]]
     sampling: list[int]
     started: float | None = None  # perf_counter when its forward pass began (None: not yet)
+    ended: float | None = None  # perf_counter when it ended
 
 
 class LLMEngine:
@@ -531,7 +537,8 @@ class LLMEngine:
         if self._forward_end is not None:
             self.step_gaps.append(t0 - self._forward_end)
         logits = self.runner.execute(step.inputs)
-        self.last_step_s = time.perf_counter() - t0
+        step.ended = time.perf_counter()
+        self.last_step_s = step.ended - t0
         self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
         if self.spec is not None and any(s.draft_token_ids for s in step.seqs):
@@ -569,6 +576,8 @@ class LLMEngine:
         self.num_finished_requests += len(finished)
         outputs = []
         for i, seq in enumerate(step.seqs):
+            if seq.prefill_only and step.ended is not None:
+                seq.chunk_times.append((step.started, step.ended, step.pieces[i][0]))
             if i in live:
                 toks, lps = sampled[i], logprobs[i]
                 if not isinstance(toks, list):  # one token (a speculative step gives lists)
@@ -576,8 +585,11 @@ class LLMEngine:
                 out = StepOutput(seq.request_id, toks, seq.finish_reason, seq.num_prompt_tokens,
                                  num_cached_tokens=seq.num_cached_tokens,
                                  logprobs=None if lps is None else lps[:len(toks)],
-                                 prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens)
+                                 prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens,
+                                 num_draft_tokens=seq.num_draft_tokens,
+                                 num_accepted_tokens=seq.num_accepted_tokens)
                 if id(seq) in finished and seq.prefill_only:
+                    out.chunk_times = seq.chunk_times
                     self._export_kv(seq, out)
                 outputs.append(out)
             if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:

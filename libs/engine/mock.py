@@ -272,7 +272,8 @@ class MockEngine(LLMEngine):
         delay = t0 + self.timing.predict(step.pieces) - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        self.last_step_s = time.perf_counter() - t0
+        step.ended = time.perf_counter()
+        self.last_step_s = step.ended - t0
         self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
         tokens, logprobs = [], []

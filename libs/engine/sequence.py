@@ -84,6 +84,11 @@ class Sequence:
     # positions after it; cleared when the step is back), and the drafter's per-request state.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_state: object | None = None
+    num_draft_tokens: int = 0  # draft tokens verified so far
+    num_accepted_tokens: int = 0  # of which accepted
+    # Prefill-only engines: (start, end) ``time.perf_counter()`` seconds and tokens fed of each
+    # step that computed part of the prompt (the prefill worker's trace spans).
+    chunk_times: list[tuple[float, float, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_inflight_tokens

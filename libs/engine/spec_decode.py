@@ -386,6 +386,8 @@ class SpecDecoder:
                 accepted = len(out) - 1
                 self.num_draft_tokens += n - 1
                 self.num_accepted_tokens += accepted
+                seq.num_draft_tokens += n - 1
+                seq.num_accepted_tokens += accepted
                 self.num_spec_seqs += 1
                 self.calibrator.observe(self._buckets.pop(id(seq), []), accepted)
                 if isinstance(seq.spec_state, NgramIndex):

@@ -1,7 +1,9 @@
 """structlog set-up: JSON lines (console-pretty on a terminal) with service fields.
 
-Every line carries ``service`` and ``worker_id`` (bound at start-up) plus any
-context-bound fields (``request_id``) and the current ``trace_id`` / ``span_id``.
+Every line carries ``service`` and ``worker_id`` (set at start-up, on every
+thread's lines) plus any context-bound fields (``request_id``: bound by the
+gateway's API handlers and by ``MeshClient`` around each handler of a message
+that names a request) and the current span's ``trace_id`` / ``span_id``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,14 @@ import sys
 
 import structlog
 from opentelemetry import trace
+
+_service_fields: dict[str, str] = {}  # service, worker_id: on every line, whichever thread logs it
+
+
+def _add_service(_, __, event_dict):
+    for k, v in _service_fields.items():
+        event_dict.setdefault(k, v)
+    return event_dict
 
 
 def _add_trace_ids(_, __, event_dict):
@@ -30,6 +40,7 @@ def configure_logging(service: str, worker_id: str = "", level: str = "INFO") ->
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _add_service,
             _add_trace_ids,
             structlog.processors.format_exc_info,
             renderer,
@@ -38,7 +49,7 @@ def configure_logging(service: str, worker_id: str = "", level: str = "INFO") ->
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(service=service, worker_id=worker_id)
+    _service_fields.update(service=service, worker_id=worker_id)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
 

@@ -1,28 +1,129 @@
 """OpenTelemetry tracing with W3C trace context carried in NATS headers.
 
-``configure_tracing`` installs an SDK TracerProvider so spans get real ids
-(a request is one trace across processes); spans are exported only when an
-exporter is configured by the standard ``OTEL_*`` variables (issue #10 adds
-the OTLP exporter), so by default nothing leaves the process.
+Every service installs an SDK ``TracerProvider`` (``configure_tracing``), so spans
+get real ids and a request is one trace across processes: ``MeshClient`` injects
+the current span's ``traceparent`` into each NATS message's headers and runs each
+handler inside a span parented by the sender's.
+
+Export is chosen by the standard OpenTelemetry environment variables:
+
+* ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf; endpoint, headers
+  and timeout from ``OTEL_EXPORTER_OTLP_*``), ``console`` (JSON to stdout), ``none``;
+  a comma-separated list for several. Unset: ``otlp`` when
+  ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set,
+  else none.
+* ``OTEL_SERVICE_NAME`` overrides the service name (default ``deepinfer-<role>``);
+  ``OTEL_RESOURCE_ATTRIBUTES`` adds resource attributes (the SDK reads both).
+* ``DEEPINFER_TRACES_FILE``: ours, also write every span as one JSON line to this
+  file (appended; several processes may share it). For tests and offline reading.
+
+With no exporter, spans are created (log lines carry their ids) but no span
+processor runs: nothing is serialised and nothing leaves the process.
+
+Attributes follow the OpenTelemetry GenAI semantic conventions where they apply
+(``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
+``gen_ai.usage.input_tokens`` ...) and use the ``deepinfer.`` prefix for ours.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
+
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
+                                            SpanExporter, SpanExportResult)
 
-_configured = False
+_provider: TracerProvider | None = None
 
 
-def configure_tracing(service: str) -> None:
-    """Install the SDK tracer provider once per process (idempotent)."""
-    global _configured
-    if _configured:
+class JsonLinesExporter(SpanExporter):
+    """Appends each span as one JSON line (name, ids, parent, service, times in ns,
+    attributes) to ``path``; lines are written whole, so processes may share the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans) -> SpanExportResult:
+        lines = "".join(json.dumps(span_record(s)) + "\n" for s in spans)
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def span_record(span: ReadableSpan) -> dict:
+    """A finished span as a plain dict (``JsonLinesExporter``'s line)."""
+    ctx, parent = span.context, span.parent
+    return {
+        "name": span.name,
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_id": format(parent.span_id, "016x") if parent is not None else None,
+        "service": span.resource.attributes.get("service.name"),
+        "worker_id": span.resource.attributes.get("service.instance.id"),
+        "pid": os.getpid(),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+    }
+
+
+def _exporters() -> list[tuple[SpanExporter, bool]]:
+    """(exporter, batched) per configured exporter (see the module docstring)."""
+    names = os.environ.get("OTEL_TRACES_EXPORTER")
+    if names is None:
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        names = "otlp" if endpoint else "none"
+    out: list[tuple[SpanExporter, bool]] = []
+    for name in (n.strip().lower() for n in names.split(",")):
+        if name in ("", "none"):
+            continue
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            out.append((OTLPSpanExporter(), True))
+        elif name == "console":
+            out.append((ConsoleSpanExporter(), False))
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} (otlp, console, none)")
+    path = os.environ.get("DEEPINFER_TRACES_FILE")
+    if path:
+        out.append((JsonLinesExporter(path), False))
+    return out
+
+
+def configure_tracing(service: str, worker_id: str = "") -> None:
+    """Install the SDK tracer provider and the configured exporters, once per process.
+
+    Raises ValueError for an ``OTEL_TRACES_EXPORTER`` name it does not know.
+    """
+    global _provider
+    if _provider is not None:
         return
-    provider = TracerProvider(resource=Resource.create({"service.name": f"deepinfer-{service}"}))
+    attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"deepinfer-{service}",
+             "service.namespace": "deepinfer"}
+    if worker_id:
+        attrs["service.instance.id"] = worker_id
+    provider = TracerProvider(resource=Resource.create(attrs))
+    for exporter, batched in _exporters():
+        provider.add_span_processor(BatchSpanProcessor(exporter) if batched else SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    _configured = True
+    _provider = provider
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporters (a service calls it when it stops)."""
+    if _provider is not None:
+        _provider.shutdown()
 
 
 def tracer():
@@ -39,3 +140,16 @@ def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
 def extract_context(headers: dict[str, str] | None) -> context.Context:
     """Trace context from incoming NATS headers (empty context when absent)."""
     return propagate.extract(headers or {})
+
+
+def epoch_ns(perf_counter_s: float) -> int:
+    """Wall-clock ns of a ``time.perf_counter()`` reading (span times recorded after the fact)."""
+    return time.time_ns() - int((time.perf_counter() - perf_counter_s) * 1e9)
+
+
+def record_span(name: str, start_s: float, end_s: float, parent: context.Context | None,
+                attributes: dict | None = None) -> None:
+    """A span for work timed elsewhere (e.g. on the engine thread): ``start_s`` / ``end_s``
+    are ``time.perf_counter()`` readings; ``parent`` is the context it belongs under."""
+    span = tracer().start_span(name, context=parent, start_time=epoch_ns(start_s), attributes=attributes)
+    span.end(end_time=epoch_ns(end_s))
