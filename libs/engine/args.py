@@ -53,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=_positive, default=5,
                    help="most draft tokens per request per step (γ, default 5)")
     p.add_argument("--spec-verify", choices=["adaptive", "fixed"], default="adaptive",
-                   help="verification length: adaptive (DSpark Algorithm 1 over the profiled SPS(B) curve) or "
+                   help="verification length: adaptive (DSpark Algorithm 1 priced by the step cost model) or "
                         "fixed (every draft up to γ); default adaptive")
     p.add_argument("--draft-layers", type=_positive, default=None,
                    help="layers of the self-draft (default: a quarter of the model's)")

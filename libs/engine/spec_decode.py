@@ -13,9 +13,11 @@ Drafters (``SpecConfig.method``):
   longest suffix of the context (``ngram_max`` down to ``ngram_min`` tokens) that
   occurred before; the tokens that followed its latest earlier occurrence are the
   drafts. An incremental n-gram -> position index per request keeps it O(new tokens).
-  Confidence: the acceptance rate learned online per (match length, draft position,
-  how the request's previous drafts fared: all accepted / some / none / no history;
-  a request copying a passage keeps copying).
+  Confidence: the acceptance rate learned online per bucket (how often the draft
+  token followed its n-gram among the n-gram's earlier occurrences: always / at
+  least half / less, the suffix decoding signal of arXiv 2411.04975; how the
+  request's previous drafts fared: all accepted / some / none / no history, since
+  a request copying a passage keeps copying; draft position; match length).
 * ``draft``: self-draft by early exit (LayerSkip, arXiv 2404.16710; Draft & Verify,
   arXiv 2309.08168): the target's first ``draft_layers`` layers, its final norm and
   head, run autoregressively γ times. Those layers' KV of accepted tokens is the
@@ -28,15 +30,20 @@ per request. ``adaptive`` is DSpark's Algorithm 1 (deepseek-ai/DeepSpec;
 TECHNIQUES §6): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
 starting from ℓ_r = 0, the (r, j) are visited by decreasing a_{r,j}, each adding
 one token to the step and a_{r,j} expected tokens, and the prefix of that order
-with the highest expected throughput τ · SPS(B) is verified (Algorithm 1 stops
+with the highest expected throughput τ · SPS is verified (Algorithm 1 stops
 at the first token that does not raise it; see ``_choose`` for why all are
-scanned). SPS(B), verify steps per second at B tokens, is the ``SpsCurve``:
-profiled at start-up (``SpecDecoder.profile``) and refined online from every
-decode/verify step's measured time; prefill chunks sharing the step add their
-cost-model time. Light load: a step costs about the same with a few more tokens
-(weights are read once either way), so long drafts pay; heavy load: each
-verified token costs, so only likely ones do. (A linear cost model, fine for
-chunking prefills, overprices extra tokens at small B; hence the curve.)
+scanned). SPS, the steps per second of the step being planned, is 1 / T with T
+the engine's step cost model (``engine.cost_model``: a + b·Σn + d·Σn(c + n/2) +
+e·Σ(c + n) over the step's pieces, calibrated at start-up and refitted online
+from every step) plus the step's measured overhead besides the forward pass. So
+a draft costs b + d·(its position) + e, and the price of the step without any
+draft, the baseline every draft must beat, includes the KV gather of the
+batch's contexts. Light load: the fixed per-step cost dominates, so long drafts
+pay; heavy load: each verified token's share grows, so only likely ones do.
+(DSpark's SPS(B) is a curve over B alone; on the CPU a step's time depends on
+the contexts as much as on B, and a curve profiled at one context priced the
+no-draft baseline at half its real cost at 32 requests: see
+docs/speculative_decoding.md.)
 
 Verification is lossless (Leviathan et al., arXiv 2211.17192). Greedy: accept
 while the draft equals the target's argmax; the first mismatch is replaced by
@@ -319,8 +326,8 @@ class SpecDecoder:
                 order.append((-a, j, r))
         order.sort()
         # NOTE: Algorithm 1 stops at the first (r, j) that does not raise Θ; this scans them all and
-        # keeps the best prefix of the order: the same answer where SPS(B) is concave, and robust
-        # where the measured CPU step time is not (GEMM kernels change with the row count).
+        # keeps the best prefix of the order: the same answer when every token costs the same, and
+        # right when they do not (a token's cost grows with its request's context).
         best_n = 0
         for n, (neg_a, j, r) in enumerate(order[:tokens_left], 1):
             # draft j of request r grows its piece from (1 + j, c) to (2 + j, c) tokens
