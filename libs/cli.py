@@ -88,6 +88,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1, model {model_id or '?'})\n"
             f"  logs:  {mesh.workdir}/logs\n"
+            f"  metrics: {url}/metrics (gateway); workers: "
+            f"{', '.join(f'{w} :{p}' for w, p in mesh.metrics_ports.items()) or 'none'}\n"
             f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"           -d '{{{model_field}\"messages\": "
             f"[{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'\n"

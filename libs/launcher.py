@@ -391,6 +391,9 @@ class Mesh:
     after ``stop``; a workdir passed in is never deleted.
     ``command``: how a service is run, followed by ``serve <service> ...``
     (tests replace it with a stand-in).
+    ``metrics``: give every worker but the gateway a free port for its Prometheus
+    ``/metrics`` (``--metrics-port``, unless its arguments name one); ``metrics_ports``
+    maps worker ids to them, ``metrics_urls`` every process's /metrics, the gateway's too.
     """
 
     command: Sequence[str] = (sys.executable, "-m", "deepinfer.cli")
@@ -405,6 +408,7 @@ class Mesh:
         extra_args: dict[str, list[str]] | None = None,
         env: dict[str, str] | None = None,
         keep_workdir: bool = False,
+        metrics: bool = True,
     ):
         self.model = model
         self.workdir: Path | None = Path(workdir) if workdir is not None else None
@@ -421,6 +425,8 @@ class Mesh:
         self.nats: ManagedProcess | None = None
         self.redis: ManagedProcess | None = None
         self.processes: dict[str, list[ManagedProcess]] = {}
+        self.metrics = metrics
+        self.metrics_ports: dict[str, int] = {}  # worker id -> its --metrics-port
         self._next_index: dict[str, int] = {}
         self._started = False
         self._stopped = False
@@ -437,6 +443,13 @@ class Mesh:
     @property
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port else ""
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Worker id (``gateway`` for the gateway) -> its Prometheus metrics URL."""
+        urls = {"gateway": f"{self.gateway_url}/metrics"} if self.gateway_url and "gateway" in self.services else {}
+        urls.update({w: f"http://127.0.0.1:{port}/metrics" for w, port in self.metrics_ports.items()})
+        return urls
 
     @property
     def kv_root(self) -> Path:
@@ -505,7 +518,8 @@ class Mesh:
             for svc in self.services:
                 for _ in range(self.replicas.get(svc, 1)):
                     proc = self.start_worker(svc)
-                    say(f"started {proc.name} (pid {proc.pid})")
+                    port = self.metrics_ports.get(proc.name)
+                    say(f"started {proc.name} (pid {proc.pid}" + (f", metrics :{port}/metrics)" if port else ")"))
 
             if "gateway" in self.services:
                 say(f"waiting for {self.gateway_url}/health ...")
@@ -530,9 +544,26 @@ class Mesh:
             argv += ["--host", "127.0.0.1", "--port", str(self.gateway_port)]
         argv += self.extra_args.get(service, [])
         argv += list(extra)
+        if service != "gateway" and self.metrics:
+            if "--metrics-port" in argv[:-1]:
+                port = int(argv[argv.index("--metrics-port") + 1])
+            else:
+                port = self._free_metrics_port()
+                argv += ["--metrics-port", str(port)]
+            if port:
+                self.metrics_ports[worker_id] = port
         proc = ManagedProcess(worker_id, argv, self.workdir / "logs" / f"{worker_id}.log", env=self.service_env())
         self.processes.setdefault(service, []).append(proc)
         return proc
+
+    def _free_metrics_port(self) -> int:
+        """A free port no process of this mesh was given yet (the kernel may hand one out twice)."""
+        taken = {*self.metrics_ports.values(), self.gateway_port}
+        for _ in range(20):
+            port = free_port()
+            if port not in taken:
+                return port
+        raise LauncherError("no free port for a metrics server")
 
     def all_services(self) -> list[ManagedProcess]:
         return [p for procs in self.processes.values() for p in procs]

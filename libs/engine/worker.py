@@ -25,6 +25,7 @@ from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import resolve_model
 from deepinfer.protocol import LoadReport
+from deepinfer.telemetry import metrics
 
 
 class EngineWorker(Service):
@@ -44,7 +45,7 @@ class EngineWorker(Service):
         self.async_engine: AsyncEngine | None = None
 
     def start_engine(self) -> None:
-        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
+        self.async_engine = AsyncEngine(self.engine, self._count_outputs if self.prefill_only else self.on_outputs)
         self.async_engine.start()
 
     async def start(self) -> None:
@@ -54,6 +55,15 @@ class EngineWorker(Service):
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         raise NotImplementedError
+
+    def _count_outputs(self, outputs: list[StepOutput]) -> None:
+        """Prefill: each output is a request's only one; count its prompt's prefix-cache hit by
+        traffic class (metrics), then ``on_outputs``."""
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            if req is not None:
+                metrics.count_prefix(req.traffic_class, out.num_prompt_tokens, out.num_cached_tokens)
+        self.on_outputs(outputs)
 
     def load_report(self) -> LoadReport:
         """The engine's load now (runs on the service's loop while the engine thread steps:
@@ -74,6 +84,13 @@ class EngineWorker(Service):
                           prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
                           swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
                           swa_cache_misses=swa.misses if swa else 0)
+
+    async def metric_families(self) -> list:
+        """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""
+        fams = [*await super().metric_families(), *metrics.load_report_families(self.load_report()),
+                *metrics.store_families(self.store.stats.snapshot())]
+        spec = getattr(self.engine, "spec", None)
+        return fams + metrics.spec_decode_families(spec) if spec is not None else fams
 
     def busy(self) -> bool:
         return bool(self.requests)
@@ -101,4 +118,4 @@ class EngineWorker(Service):
         svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
                   args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s,
                   expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks)
-        run_service(svc, args.log_level)
+        run_service(svc, args.log_level, metrics_port=args.metrics_port)

@@ -14,4 +14,7 @@ def service_parser(role: str, description: str) -> argparse.ArgumentParser:
                    help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")
     p.add_argument("--worker-id", default=None, help="unique id of this replica (default: random)")
     p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"))
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DEEPINFER_METRICS_PORT") or 0),
+                   help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (env DEEPINFER_METRICS_PORT; "
+                        "default 0: no metrics server)")
     return p

@@ -18,6 +18,7 @@ from opentelemetry import context as otel_context
 
 from deepinfer.protocol import ErrorReply, ProtocolError, pack, unpack
 from deepinfer.telemetry import extract_context, get_logger, inject_headers, tracer
+from deepinfer.telemetry.metrics import timed_handler, timed_request
 
 log = get_logger(__name__)
 
@@ -80,6 +81,7 @@ class MeshClient:
     async def publish(self, subject: str, msg) -> None:
         await self.nc.publish(subject, pack(msg), headers=inject_headers())
 
+    @timed_request  # deepinfer_nats_request_seconds
     async def request(self, subject: str, msg, timeout: float, expect: type | None = None):
         """Send ``msg`` and wait for the reply message.
 
@@ -105,6 +107,7 @@ class MeshClient:
         ``queue``: NATS queue group, so one replica of a service gets each message.
         """
         name = span_name or subject
+        handler = timed_handler(handler, name)  # deepinfer_nats_handler_seconds
 
         async def cb(raw):
             token = otel_context.attach(extract_context(raw.headers))

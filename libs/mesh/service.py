@@ -22,6 +22,8 @@ from deepinfer.mesh.client import MeshClient
 from deepinfer.protocol import LoadReport, subjects
 from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
 
+from deepinfer.telemetry import metrics
+
 log = get_logger(__name__)
 
 
@@ -50,6 +52,11 @@ class Service:
 
     def load_report(self) -> LoadReport:
         return LoadReport(role=self.role, worker_id=self.worker_id)
+
+    async def metric_families(self) -> list:
+        """Prometheus metric families of the service's state, read at each scrape of its
+        ``--metrics-port`` on the service's loop (``telemetry.metrics.ServiceCollector``)."""
+        return metrics.service_families(self.role, self.worker_id, self.draining)
 
     # --- lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -109,8 +116,9 @@ class Service:
         await self._stopped.wait()
 
 
-def run_service(service: Service, log_level: str = "INFO") -> None:
-    """Run ``service`` in this process until SIGINT / SIGTERM."""
+def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0) -> None:
+    """Run ``service`` in this process until SIGINT / SIGTERM; serve its Prometheus metrics on
+    ``metrics_port`` (0: none)."""
     configure_logging(service.role, service.worker_id, log_level)
     configure_tracing(service.role)
 
@@ -119,6 +127,8 @@ def run_service(service: Service, log_level: str = "INFO") -> None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        if metrics_port:
+            metrics.start_metrics_server(metrics_port, metrics.ServiceCollector(service, loop))
         await service.start()
         await stop.wait()
         log.info("service_stopping", role=service.role)

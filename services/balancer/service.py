@@ -91,6 +91,12 @@ class BalancerService(Service):
             "rebalances": m.rebalances, "replica_bytes": max(m.workers.values(), default=0),
         } for m in self.models.values()])
 
+    async def metric_families(self) -> list:
+        """Expert imbalance and placements per model, as ``on_status`` reports them."""
+        from deepinfer.telemetry.metrics import balancer_families
+
+        return [*await super().metric_families(), *balancer_families(await self.on_status(BalancerStatusRequest()))]
+
     async def tick(self) -> list[ExpertPlacementUpdate]:
         """One tick over every model; publishes (and returns) the new placements."""
         out = []
@@ -194,4 +200,4 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as e:
         p.error(str(e))
-    run_service(BalancerService(args.nats, config, args.worker_id), args.log_level)
+    run_service(BalancerService(args.nats, config, args.worker_id), args.log_level, metrics_port=args.metrics_port)

@@ -74,6 +74,10 @@ class Admission:
         """Open generation streams (admitted, not finished)."""
         return sum(1 for s in list(self._streams) if s.phase is not Phase.FINISHED)
 
+    def waiting(self) -> int:
+        """Open streams with no first token yet (submitting, or queued / running in prefill)."""
+        return sum(1 for s in list(self._streams) if s.phase in (Phase.SUBMITTING, Phase.PREFILL))
+
     def enter(self, streams: list[RequestStream]) -> None:
         """Count ``streams`` in flight, or raise 429 when that would pass ``max_inflight``."""
         limit = self.config.max_inflight

@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
 (``completions.py``), POST /v1/responses + GET/DELETE /v1/responses/{id}
 (``responses_api.py``), POST /v1/messages (``anthropic_api.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
-worker are alive, else 503; the body counts live workers by role).
+worker are alive, else 503; the body counts live workers by role), GET /metrics
+(Prometheus text format: ``metrics.py``, docs/observability.md).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from opentelemetry import trace
 
+from deepinfer.gateway import metrics as gateway_metrics
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
@@ -56,6 +59,8 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     install_error_handlers(app, oai.field_names())
     app.add_middleware(RootSpanMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(gateway_metrics.MetricsMiddleware)  # outermost: counts every answer, 413s included
+    metrics_registry = gateway_metrics.gateway_registry(gw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -85,6 +90,10 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
         body = {"status": "ok" if ok else "unavailable", "workers": counts,
                 "kv_index": await _kv_index_health(gw) if gw.mesh is not None else None}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():  # collected here, on the loop: the collectors read the gateway's state
+        return Response(gateway_metrics.exposition(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deepinfer.gateway import logprobs as lp
+from deepinfer.gateway import metrics as gateway_metrics
 from deepinfer.gateway.admission import Admission
 from deepinfer.gateway.config import GatewayConfig, ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable
@@ -80,6 +81,7 @@ class Choice:
     first: TokenChunk | None = None
     parts: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    timing: gateway_metrics.ChoiceTiming = field(default_factory=gateway_metrics.ChoiceTiming)  # TTFT, ITL, finish
     # tool calls split out of the text (off unless the API request offered tools)
     tool_parser: ToolCallParser = field(default_factory=lambda: ToolCallParser(enabled=False))
     gateway: "Gateway | None" = None  # for routing and admission (None: queue group, no limits)
@@ -142,6 +144,7 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
     async def first(c: Choice, plan: Plan | None) -> None:
         try:
             c.first = await c.stream.next_chunk(is_disconnected)
+            gateway_metrics.on_chunk(c, c.first)
         except BaseException:
             release([plan])
             raise
@@ -232,12 +235,15 @@ async def chunks(choices: list[Choice], is_disconnected=None):
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda t: pending[t].index):
                 c = pending.pop(task)
-                yield c, task.result()
+                chunk = task.result()
+                gateway_metrics.on_chunk(c, chunk)
+                yield c, chunk
                 if not c.done:
                     arm(c)
     finally:
         for task in pending:
             task.cancel()
+        gateway_metrics.on_finished(choices)
 
 
 

@@ -318,6 +318,12 @@ class KVIndexService(Service):
                 log.exception("kv_event_failed", worker=ev.worker_id, event_id=ev.event_id)
             await msg.ack()
 
+    async def metric_families(self) -> list:
+        """The storage tier's size and the lookups by traffic class, as ``on_health`` reports them."""
+        from deepinfer.telemetry.metrics import kvindex_families
+
+        return [*await super().metric_families(), *kvindex_families(await self.on_health(KVIndexHealthRequest()))]
+
     # --- lifecycle ------------------------------------------------------------------
     async def finish_inflight(self) -> None:
         # NOTE: nats-py may turn a cancellation inside fetch() into another error, so the
@@ -365,4 +371,5 @@ def main(argv: list[str] | None = None) -> None:
                          capacity_bytes=args.capacity, sweep_interval_s=args.sweep_interval,
                          ephemeral_ttl_s=args.ephemeral_ttl, default_block_tokens=args.block_tokens,
                          redis_prefix=args.redis_prefix)
-    run_service(KVIndexService(args.nats, args.redis_url, config, args.worker_id), args.log_level)
+    run_service(KVIndexService(args.nats, args.redis_url, config, args.worker_id), args.log_level,
+                metrics_port=args.metrics_port)

@@ -73,4 +73,4 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if args.parallel else "false"
     service = TokenizerService(args.nats, str(resolve_model(args.model)), args.worker_id, args.threads,
                                args.chunk_chars)
-    run_service(service, args.log_level)
+    run_service(service, args.log_level, metrics_port=args.metrics_port)
