@@ -5,6 +5,8 @@
     deepinfer serve <service> [args...]
         run one service in this process (operators / the launcher); it reads
         DEEPINFER_NATS_URL, DEEPINFER_REDIS_URL, DEEPINFER_MODEL, DEEPINFER_KV_ROOT
+    deepinfer status [--nats URL]
+        list the live workers of a running mesh (from their load reports) and their load
     deepinfer convert
         convert the embedded default model (once) and print its directory
 """
@@ -163,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("service", choices=SERVICES)
     serve.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the service")
 
+    from deepinfer import status
+
+    status.add_arguments(sub.add_parser("status", help="list the live workers of a running mesh and their load"))
+
     conv = sub.add_parser("convert", help="convert the embedded default model and print its directory")
     conv.add_argument("--model", default=None, help=argparse.SUPPRESS)
 
@@ -186,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_up(args)
     if args.command == "convert":
         return cmd_convert(args)
+    if args.command == "status":
+        from deepinfer import status
+
+        return status.cli(args)
     if args.command == "bench":
         from deepinfer.bench import replay
 

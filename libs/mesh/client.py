@@ -2,8 +2,10 @@
 
 Every message on the wire is a ``deepinfer.protocol`` dataclass. Handlers are
 wrapped so that each incoming message runs inside a span whose parent is the
-sender's ``traceparent`` header, and so that a handler that raises answers the
-requester with an ``ErrorReply`` instead of leaving it to time out.
+sender's ``traceparent`` header (with the message's ``request_id``, when it has
+one, on the span and bound into every log line the handler writes), and so that
+a handler that raises answers the requester with an ``ErrorReply`` instead of
+leaving it to time out.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Awaitable, Callable
 import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+import structlog
 from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 
 from deepinfer.protocol import ErrorReply, ProtocolError, pack, unpack
 from deepinfer.telemetry import extract_context, get_logger, inject_headers, tracer
@@ -112,10 +116,16 @@ class MeshClient:
         async def cb(raw):
             token = otel_context.attach(extract_context(raw.headers))
             try:
-                with tracer().start_as_current_span(name):
+                with tracer().start_as_current_span(name, kind=SpanKind.CONSUMER) as span:
                     try:
                         msg = unpack(raw.data)
-                        result = await handler(msg)
+                        request_id = getattr(msg, "request_id", None)
+                        if request_id:  # the handler's log lines and span name the request
+                            span.set_attribute("deepinfer.request_id", request_id)
+                            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                                result = await handler(msg)
+                        else:
+                            result = await handler(msg)
                     except ProtocolError as e:
                         result = ErrorReply(error=str(e), kind="bad_request")
                     except Exception as e:  # reply rather than let the requester time out

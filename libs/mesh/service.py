@@ -20,9 +20,7 @@ import uuid
 
 from deepinfer.mesh.client import MeshClient
 from deepinfer.protocol import LoadReport, subjects
-from deepinfer.telemetry import configure_logging, configure_tracing, get_logger
-
-from deepinfer.telemetry import metrics
+from deepinfer.telemetry import configure_logging, configure_tracing, get_logger, metrics, shutdown_tracing
 
 log = get_logger(__name__)
 
@@ -120,7 +118,7 @@ def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0
     """Run ``service`` in this process until SIGINT / SIGTERM; serve its Prometheus metrics on
     ``metrics_port`` (0: none)."""
     configure_logging(service.role, service.worker_id, log_level)
-    configure_tracing(service.role)
+    configure_tracing(service.role, service.worker_id)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -134,4 +132,7 @@ def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0
         log.info("service_stopping", role=service.role)
         await service.stop()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        shutdown_tracing()  # flush spans still batched

@@ -5,5 +5,7 @@ from deepinfer.telemetry.tracing import (  # noqa: F401
     configure_tracing,
     extract_context,
     inject_headers,
+    record_span,
+    shutdown_tracing,
     tracer,
 )

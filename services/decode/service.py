@@ -38,12 +38,14 @@ from __future__ import annotations
 import asyncio
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.protocol import AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
-from deepinfer.telemetry import get_logger
+from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
@@ -56,6 +58,7 @@ class DecodeService(EngineWorker):
     role = "decode"
 
     async def setup(self) -> None:
+        self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.start_engine()
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
                                                      queue=subjects.DECODE_GROUP, span_name="decode.submit"))
@@ -72,12 +75,19 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
         self.requests[req.request_id] = req
-        kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
+        with tracer().start_as_current_span("decode.load") as span:
+            kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
+            span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
+                                 "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
+                                 "deepinfer.kv.complete": complete})
         if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         whole = complete and req.num_kv_tokens == num_tokens - 1 and len(kv) * bs >= req.num_kv_tokens
+        # the request's time in the engine, until its last token (``on_outputs``) or an abort
+        self.spans[req.request_id] = tracer().start_span("decode.generate", attributes={
+            "deepinfer.request_id": req.request_id, "deepinfer.kv.imported": whole})
         try:
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens)
@@ -89,7 +99,9 @@ class DecodeService(EngineWorker):
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
+            self.end_span(req.request_id, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
+        log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole)
         await self.mesh.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
@@ -97,6 +109,7 @@ class DecodeService(EngineWorker):
     async def on_abort(self, msg: AbortRequest) -> None:
         if self.requests.pop(msg.request_id, None) is not None:
             self.async_engine.abort(msg.request_id)
+            self.end_span(msg.request_id, error="aborted")
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -105,6 +118,7 @@ class DecodeService(EngineWorker):
                 continue
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
+                self.end_span(out.request_id, out)
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs())
@@ -113,6 +127,25 @@ class DecodeService(EngineWorker):
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))
 
     # --- helpers ---------------------------------------------------------------
+    def end_span(self, request_id: str, out: StepOutput | None = None, error: str = "") -> None:
+        """End the request's ``decode.generate`` span: its finish reason and speculative
+        decoding counts from its last output, or the error that ended it."""
+        span = self.spans.pop(request_id, None)
+        if span is None:
+            return
+        if out is not None:
+            span.set_attributes({"gen_ai.response.finish_reasons": [out.finish_reason],
+                                 "deepinfer.spec.draft_tokens": out.num_draft_tokens,
+                                 "deepinfer.spec.accepted_tokens": out.num_accepted_tokens})
+            with trace.use_span(span):  # the log line carries the request's trace id
+                log.info("decode_finished", request_id=request_id, finish_reason=out.finish_reason,
+                         draft_tokens=out.num_draft_tokens, accepted_tokens=out.num_accepted_tokens)
+            if out.finish_reason == "error":
+                error = "decode engine failed"
+        if error:
+            span.set_status(StatusCode.ERROR, error)
+        span.end()
+
     def load_blocks(self, req: DecodeRequest) -> tuple[torch.Tensor | None, bool]:
         """Read the request's blocks in order up to the first missing, corrupt or
         misshapen one; ephemeral blocks are deleted either way. Returns (blocks,

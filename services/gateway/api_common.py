@@ -26,7 +26,7 @@ from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCall, ToolCallParser
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, subjects
-from deepinfer.telemetry import get_logger
+from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
@@ -76,7 +76,9 @@ async def encode_messages(gw: Gateway, request_id: str, messages: list[dict], to
     msg = EncodeChatRequest(request_id, messages, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
     try:
-        reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
+        with tracer().start_as_current_span("gateway.tokenize") as span:
+            reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
+            span.set_attribute("gen_ai.usage.input_tokens", len(reply.token_ids))
     except NoResponders:
         raise unavailable("no tokenizer worker is running") from None
     except RequestTimeout:

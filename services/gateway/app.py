@@ -22,7 +22,7 @@ from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
-from deepinfer.gateway.generate import REQUIRED_ROLES, Gateway
+from deepinfer.gateway.generate import REQUEST_SPAN, REQUIRED_ROLES, Gateway
 from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
@@ -114,11 +114,19 @@ def _card(gw: Gateway) -> dict:
     return oai.model_card(gw.model.served_name, str(gw.model.path), gw.model.max_model_len)
 
 
-class RootSpanMiddleware:
-    """Open one span per HTTP request (continuing the client's ``traceparent`` if sent).
+# GenAI semantic conventions' operation name per API route
+GEN_AI_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
+                     "/v1/responses": "chat", "/v1/messages": "chat"}
 
-    Pure ASGI (not BaseHTTPMiddleware), so the route, the streaming body and
-    every MeshClient call run inside the span and carry its trace context.
+
+class RootSpanMiddleware:
+    """One server span per HTTP request (continuing the client's ``traceparent`` if sent),
+    with the GenAI operation name on it.
+
+    FastAPI (0.16x) opens that span itself when a tracer provider is set; this then only
+    annotates it. With an older FastAPI it opens the span. Pure ASGI (not
+    BaseHTTPMiddleware), so the route, the streaming body and every MeshClient call run
+    inside the span and carry its trace context.
     """
 
     def __init__(self, app):
@@ -127,13 +135,33 @@ class RootSpanMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        current = trace.get_current_span()
+        if current.is_recording() and current.kind is trace.SpanKind.SERVER:  # FastAPI's
+            self._annotate(current, scope)
+            token = REQUEST_SPAN.set(current)
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                REQUEST_SPAN.reset(token)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         name = f"{scope['method']} {scope['path']}"
         with tracer().start_as_current_span(name, context=extract_context(headers), kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"]})
+            self._annotate(span, scope)
+            token = REQUEST_SPAN.set(span)
 
             async def send_with_status(message):
                 if message["type"] == "http.response.start":
-                    span.set_attribute("http.status_code", message["status"])
+                    span.set_attribute("http.response.status_code", message["status"])
                 await send(message)
 
-            await self.app(scope, receive, send_with_status)
+            try:
+                await self.app(scope, receive, send_with_status)
+            finally:
+                REQUEST_SPAN.reset(token)
+
+    @staticmethod
+    def _annotate(span, scope) -> None:
+        if scope["path"] in GEN_AI_OPERATIONS:
+            span.set_attributes({"gen_ai.operation.name": GEN_AI_OPERATIONS[scope["path"]],
+                                 "gen_ai.provider.name": "deepinfer"})

@@ -17,7 +17,9 @@ every API surface gets routing and admission the same way.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from deepinfer.gateway import logprobs as lp
@@ -31,12 +33,16 @@ from deepinfer.gateway.router import Plan, Router
 from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
 from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.mesh import MeshClient
+from opentelemetry import trace
+
 from deepinfer.protocol import SamplingParams, TokenChunk
-from deepinfer.telemetry import get_logger
+from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
 REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
+# the HTTP request's server span (set by ``app.RootSpanMiddleware``): usage attributes go on it
+REQUEST_SPAN: contextvars.ContextVar[trace.Span | None] = contextvars.ContextVar("request_span", default=None)
 
 
 @dataclass
@@ -85,6 +91,7 @@ class Choice:
     # tool calls split out of the text (off unless the API request offered tools)
     tool_parser: ToolCallParser = field(default_factory=lambda: ToolCallParser(enabled=False))
     gateway: "Gateway | None" = None  # for routing and admission (None: queue group, no limits)
+    span: trace.Span | None = None  # the request's span (set by ``open_choices``; usage goes on it)
 
     @property
     def done(self) -> bool:
@@ -123,7 +130,22 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
     bounded by the submit timeout. Waits for a first token are cancelled.
     Raises a 429 ``OpenAIError`` (``admit``) before submitting anything.
     """
-    plans = await admit(choices, prompt_ids, sampling)
+    span = REQUEST_SPAN.get() or trace.get_current_span()
+    gw = choices[0].gateway if choices else None
+    span.set_attributes({
+        "gen_ai.request.model": gw.model.served_name if gw else "",
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+        "gen_ai.request.choice.count": len(choices),
+        "gen_ai.usage.input_tokens": len(prompt_ids),
+        "deepinfer.request_id": choices[0].stream.request_id if choices else "",
+        "deepinfer.traffic_class": choices[0].stream.traffic_class if choices else "",
+    })
+    for c in choices:
+        c.span = span
+    with tracer().start_as_current_span("gateway.admission"):
+        plans = await admit(choices, prompt_ids, sampling)
     try:
         submits = await asyncio.gather(
             *(c.stream.open(prompt_ids, choice_sampling(sampling, c.index), plan) for c, plan in zip(choices, plans)),
@@ -218,6 +240,32 @@ async def chunks(choices: list[Choice], is_disconnected=None):
     The consumer processes each chunk before the next is read (so ``choice.done``
     is current). A ``StreamError`` or ``ClientGone`` of any choice propagates.
     """
+    # the streaming phase, in which the gateway detokenizes each chunk as it arrives (``OutputProcessor``)
+    span = tracer().start_span("gateway.detokenize", context=trace.set_span_in_context(choices[0].span)
+                               if choices and choices[0].span else None)
+    try:
+        async with aclosing(_chunks(choices, is_disconnected)) as inner:  # its cleanup runs now, not at GC
+            async for item in inner:
+                yield item
+    finally:
+        span.set_attribute("gen_ai.usage.output_tokens", sum(len(c.proc.token_ids) for c in choices))
+        span.end()
+        _annotate_usage(choices)
+
+
+def _annotate_usage(choices: list[Choice]) -> None:
+    """The request span's usage attributes (GenAI semantic conventions, plus ours)."""
+    if not choices or choices[0].span is None:
+        return
+    choices[0].span.set_attributes({
+        "gen_ai.usage.output_tokens": sum(len(c.proc.token_ids) for c in choices),
+        "gen_ai.response.finish_reasons": [str(c.proc.finish_reason) for c in choices],
+        "deepinfer.cached_tokens": min(c.proc.num_cached_tokens for c in choices),
+        "deepinfer.worker_id": sorted({c.stream.worker_id for c in choices if c.stream.worker_id}),
+    })
+
+
+async def _chunks(choices: list[Choice], is_disconnected=None):
     for c in choices:
         yield c, c.first
     pending: dict[asyncio.Future, Choice] = {}

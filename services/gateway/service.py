@@ -21,7 +21,7 @@ from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
 from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
 from deepinfer.gateway.stream import StreamTimeouts
-from deepinfer.telemetry import configure_logging, configure_tracing
+from deepinfer.telemetry import configure_logging, configure_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging("gateway", config.worker_id, config.log_level)
-    configure_tracing("gateway")
+    configure_tracing("gateway", config.worker_id)
     app = create_app(config)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -100,4 +100,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutdown_tracing()  # flush spans still batched
     return 0 if server.started else 1  # not started: the lifespan failed (e.g. NATS unreachable)

@@ -38,6 +38,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 from nats.errors import TimeoutError as NatsTimeout
+from opentelemetry import trace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -126,6 +127,10 @@ class KVIndexService(Service):
         except (RedisError, OSError) as e:
             self._redis_failed(e)
             return KVLookupReply(num_blocks=0, redis_ok=False)
+        trace.get_current_span().set_attributes({
+            "deepinfer.traffic_class": req.traffic_class, "deepinfer.kv.queried_blocks": len(req.hashes),
+            "deepinfer.kv.hit_blocks": n, "deepinfer.kv.hit_tokens": tokens})
+        log.info("kv_lookup", traffic_class=req.traffic_class, queried_blocks=len(req.hashes), hit_blocks=n)
         return KVLookupReply(num_blocks=n, num_tokens=tokens)
 
     async def on_health(self, _req: KVIndexHealthRequest) -> KVIndexHealth:

@@ -47,8 +47,10 @@ process, and the gateway re-dispatches it).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 
+import structlog
 import torch
 from opentelemetry import context as otel_context
 
@@ -59,7 +61,7 @@ from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
 from deepinfer.protocol import (AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, TokenChunk,
                                 subjects)
-from deepinfer.telemetry import get_logger, tracer
+from deepinfer.telemetry import get_logger, record_span, tracer
 
 log = get_logger(__name__)
 
@@ -79,6 +81,7 @@ class PrefillService(EngineWorker):
         self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
         self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
+        self.queued_at: dict[str, float] = {}  # request id -> perf_counter when the engine got it
 
     async def setup(self) -> None:
         self.start_engine()
@@ -115,12 +118,14 @@ class PrefillService(EngineWorker):
 
     async def admit(self, req: PrefillRequest) -> None:
         """Load the request's stored prefix, then queue it in the engine (unless aborted meanwhile)."""
-        try:
-            await self.load_stored_prefix(req)
-        except Exception as e:  # the cache is an optimisation: never fail a request for it
-            log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
+        with tracer().start_as_current_span("prefill.load") as span:
+            try:
+                span.set_attribute("deepinfer.kv.loaded_blocks", await self.load_stored_prefix(req))
+            except Exception as e:  # the cache is an optimisation: never fail a request for it
+                log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
         if self.requests.get(req.request_id) is not req:  # aborted while its prefix loaded
             return
+        self.queued_at[req.request_id] = time.perf_counter()
         try:
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
@@ -129,6 +134,7 @@ class PrefillService(EngineWorker):
         except Exception as e:  # checked in on_submit: an engine failure
             self.requests.pop(req.request_id, None)
             self.trace_contexts.pop(req.request_id, None)
+            self.queued_at.pop(req.request_id, None)
             log.warning("prefill_admit_failed", request_id=req.request_id, error=str(e))
             await self.mesh.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
@@ -142,6 +148,7 @@ class PrefillService(EngineWorker):
         if running is not None and msg.attempt in (-1, running.attempt):
             del self.requests[msg.request_id]
             self.trace_contexts.pop(msg.request_id, None)
+            self.queued_at.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
         else:  # not here (yet), or another attempt: refuse it if its submit arrives late
             self.aborted[(msg.request_id, msg.attempt)] = None
@@ -153,8 +160,9 @@ class PrefillService(EngineWorker):
             req = self.requests.pop(out.request_id, None)
             if req is None:  # aborted meanwhile
                 continue
-            self.record_prefix_path(req, out)
-            self.spawn(self.finish(req, out))
+            ctx = self.trace_contexts.pop(req.request_id, None)
+            self.record_spans(req, out, ctx)
+            self.spawn(self.finish_in(ctx, req, out))
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -196,9 +204,17 @@ class PrefillService(EngineWorker):
             self.num_loaded_blocks += got
         return got
 
-    def record_prefix_path(self, req: PrefillRequest, out: StepOutput) -> None:
-        """A ``prefill.prefix`` span in the request's trace: how its cached prefix was reused."""
-        ctx = self.trace_contexts.pop(req.request_id, None)
+    def record_spans(self, req: PrefillRequest, out: StepOutput, ctx: otel_context.Context | None) -> None:
+        """The engine's part of the request's trace, timed on the engine thread: ``prefill.queue``
+        (in the engine until its first chunk ran), one ``prefill.forward`` per prompt chunk, and
+        ``prefill.prefix`` (how its cached prefix was reused)."""
+        queued = self.queued_at.pop(req.request_id, None)
+        chunks = out.chunk_times
+        if queued is not None and chunks:
+            record_span("prefill.queue", queued, max(queued, chunks[0][0]), ctx)
+        for i, (start, end, tokens) in enumerate(chunks):
+            record_span("prefill.forward", start, end, ctx, {"deepinfer.chunk.index": i,
+                                                             "deepinfer.chunk.tokens": tokens})
         with tracer().start_as_current_span("prefill.prefix", context=ctx) as span:
             span.set_attributes({
                 "deepinfer.request_id": req.request_id,
@@ -206,7 +222,18 @@ class PrefillService(EngineWorker):
                 "deepinfer.prefix.cached_tokens": out.num_cached_tokens,
                 "deepinfer.prefix.replayed_tokens": out.num_replayed_tokens,
                 "deepinfer.prompt_tokens": out.num_prompt_tokens,
+                "deepinfer.prefill.chunks": len(chunks),
             })
+
+    async def finish_in(self, ctx: otel_context.Context | None, req: PrefillRequest, out: StepOutput) -> None:
+        """``finish`` inside the request's trace context, its log lines naming the request."""
+        token = otel_context.attach(ctx) if ctx is not None else None
+        try:
+            with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+                await self.finish(req, out)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
@@ -220,13 +247,18 @@ class PrefillService(EngineWorker):
             await self.mesh.publish(req.stream_subject, chunk)
             if out.kv_blocks is not None:  # ended at its first token: its prompt is still worth reusing
                 try:
-                    await self.store_and_announce(req, out)
+                    with tracer().start_as_current_span("prefill.store"):
+                        await self.store_and_announce(req, out)
                 except Exception as e:  # the tier is an optimisation
                     log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
             return
         await self.mesh.publish(req.stream_subject, chunk)
+        log.info("prefill_done", prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                 chunks=len(out.chunk_times))
         try:
-            keys, window_keys = await self.store_and_announce(req, out)
+            with tracer().start_as_current_span("prefill.store") as span:
+                keys, window_keys = await self.store_and_announce(req, out)
+                span.set_attribute("deepinfer.kv.blocks", len(keys))
             if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
                 return
@@ -237,7 +269,9 @@ class PrefillService(EngineWorker):
                 traffic_class=req.traffic_class, cache_salt=req.cache_salt, window_block_keys=window_keys,
                 num_exact_blocks=out.num_exact_blocks if out.num_exact_blocks < len(keys) else -1,
             )
-            reply = await self.hand_off(req, handoff)
+            with tracer().start_as_current_span("prefill.handoff") as span:
+                reply = await self.hand_off(req, handoff)
+                span.set_attribute("deepinfer.decode_worker", reply.worker_id)
             if not reply.accepted:
                 raise MeshError(f"decode refused: {reply.error}")
         except Exception as e:

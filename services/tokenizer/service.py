@@ -23,11 +23,16 @@ import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from opentelemetry import trace
+
 from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import resolve_model
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply, subjects
 from deepinfer.recipe import ChatRecipe
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
 
 
 class TokenizerService(Service):
@@ -48,6 +53,8 @@ class TokenizerService(Service):
             ids = await asyncio.get_running_loop().run_in_executor(self.pool, self.encode_chat, req)
         except ValueError as e:
             return ErrorReply(error=str(e), kind="bad_request")
+        trace.get_current_span().set_attribute("gen_ai.usage.input_tokens", len(ids))
+        log.info("tokenized", messages=len(req.messages), prompt_tokens=len(ids))
         return EncodeChatReply(request_id=req.request_id, token_ids=ids)
 
     def encode_chat(self, req: EncodeChatRequest) -> list[int]:
