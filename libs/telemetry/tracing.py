@@ -17,8 +17,11 @@ Export is chosen by the standard OpenTelemetry environment variables:
 * ``DEEPINFER_TRACES_FILE``: ours, also write every span as one JSON line to this
   file (appended; several processes may share it). For tests and offline reading.
 
-With no exporter, spans are created (log lines carry their ids) but no span
-processor runs: nothing is serialised and nothing leaves the process.
+With no exporter, spans are not recorded (the ``ALWAYS_OFF`` sampler): they only get
+ids, so log lines still carry a request's trace id and the context still propagates;
+nothing is stored, serialised or sent. Configure every service alike: a service with
+tracing off propagates "not sampled", and the default parent-based sampler of a
+service downstream with tracing on then does not record that request either.
 
 Attributes follow the OpenTelemetry GenAI semantic conventions where they apply
 (``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.request.max_tokens``,
@@ -37,6 +40,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
                                             SpanExporter, SpanExportResult)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 _provider: TracerProvider | None = None
 
@@ -113,8 +117,11 @@ def configure_tracing(service: str, worker_id: str = "") -> None:
              "service.namespace": "deepinfer"}
     if worker_id:
         attrs["service.instance.id"] = worker_id
-    provider = TracerProvider(resource=Resource.create(attrs))
-    for exporter, batched in _exporters():
+    exporters = _exporters()
+    # nothing to export: spans are not recorded (ALWAYS_OFF), only their ids made, for log lines
+    # and propagation (13.7 against 29 us a span with a recording one on this CPU)
+    provider = TracerProvider(resource=Resource.create(attrs), sampler=None if exporters else ALWAYS_OFF)
+    for exporter, batched in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter) if batched else SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _provider = provider

@@ -101,6 +101,10 @@ class DecodeService(EngineWorker):
             self.requests.pop(req.request_id, None)
             self.end_span(req.request_id, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
+        except BaseException as e:  # the mesh answers an ErrorReply; nothing of the request stays here
+            self.requests.pop(req.request_id, None)
+            self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
+            raise
         log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole)
         await self.mesh.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id))

@@ -22,6 +22,8 @@ import dataclasses
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import metrics as gateway_metrics
 from deepinfer.gateway.admission import Admission
@@ -33,8 +35,6 @@ from deepinfer.gateway.router import Plan, Router
 from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
 from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.mesh import MeshClient
-from opentelemetry import trace
-
 from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger, tracer
 
