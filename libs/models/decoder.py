@@ -40,6 +40,10 @@ class CausalLM(nn.Module):
     ``num_layers`` (default all) runs only the first layers, then the final norm and
     head: the self-draft of speculative decoding (``engine.spec_decode``, early exit as
     in LayerSkip / Draft & Verify).
+
+    ``input_embeds_override`` (multimodal, e.g. LLaVA image features): ``(rows [K] int64,
+    embeds [K, hidden])``; row ``rows[i]`` of the packed step (an index into ``input_ids``)
+    takes ``embeds[i]`` instead of its token embedding, before layer 0.
     """
 
     norm_class: type[nn.Module] = RMSNorm
@@ -91,8 +95,12 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index, num_layers: int | None = None):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index, num_layers: int | None = None,
+                input_embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None):
         x = self.embed(input_ids)
+        if input_embeds_override is not None:
+            rows, embeds = input_embeds_override
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         rope = {}
         for layer in self.model.layers[:num_layers]:
             name = layer.self_attn.rope

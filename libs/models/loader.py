@@ -8,6 +8,8 @@ on-disk format transformers 5.x still writes although it fuses experts in
 memory); GPT-OSS with its fused expert tensors (``mlp.experts.gate_up_proj``
 [E, hidden, 2I] etc., its on-disk format). With ``tie_word_embeddings`` the checkpoint's ``lm_head.weight``
 (often absent) is ignored and the head shares the embedding matrix.
+A family whose checkpoints name tensors otherwise (LLaVA: ``language_model.model.*``,
+``vision_tower.vision_model.*``...) defines ``checkpoint_name(key) -> our key``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.gpt_oss import GptOssForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.models.llava import LlavaForConditionalGeneration
 from deepinfer.models.qwen3 import Qwen3ForCausalLM
 from deepinfer.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -34,6 +37,7 @@ MODEL_REGISTRY = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "llava": LlavaForConditionalGeneration,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +66,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     state = {}
     for f in files:
         state.update(load_file(f, device=device))
+    if hasattr(cls, "checkpoint_name"):
+        state = {cls.checkpoint_name(k): v for k, v in state.items()}
     with torch.device("meta"):
         model = cls(cfg)
     expected = {k for k in model.state_dict()}
