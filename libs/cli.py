@@ -21,7 +21,10 @@ import time
 
 SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
 # Services whose module does not exist yet, and the issue that adds it.
-PLANNED = {"vision": 11}
+PLANNED: dict[str, int] = {}
+# Services a mesh runs only for some models: vision workers for vision-language models (config.json
+# with a vision_config); `deepinfer up` starts one for those, a text-only deployment needs none.
+MULTIMODAL_ONLY = ("vision",)
 
 
 def _say(msg: str) -> None:

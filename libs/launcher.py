@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -336,6 +337,14 @@ def redis_server_binary() -> str:
     )
 
 
+def is_multimodal(model_dir: str | os.PathLike) -> bool:
+    """True for a model directory whose config.json has a ``vision_config`` (LLaVA and the like)."""
+    try:
+        return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def start_nats(workdir: Path, port: int | None = None, timeout: float = 20) -> ManagedProcess:
     """Start nats-server with JetStream on 127.0.0.1 (storage under ``<workdir>/nats``)."""
     workdir = Path(workdir)
@@ -505,6 +514,9 @@ class Mesh:
                 say("resolving model...")
             self.model_dir = resolve_model(self.model)
             say(f"model: {self.model_dir}")
+            if self.services == DEFAULT_SERVICES and is_multimodal(self.model_dir):
+                # a vision-language model: vision workers encode the images (before the gateway starts)
+                self.services = (*DEFAULT_SERVICES[:-1], "vision", DEFAULT_SERVICES[-1])
 
             say("starting nats-server...")
             self.nats = start_nats(self.workdir)

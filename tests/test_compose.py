@@ -452,8 +452,8 @@ def check_commands(compose: dict, dockerfile: str) -> list[str]:
             problems.append(f"{name}: runs `serve {parsed.service}`")
     from deepinfer import cli
 
-    for service in cli.SERVICES:  # every implemented service runs (a planned one cannot)
-        if service not in cli.PLANNED and service not in served:
+    for service in cli.SERVICES:  # every implemented service runs (a planned one cannot; vision: VLMs only)
+        if service not in cli.PLANNED and service not in cli.MULTIMODAL_ONLY and service not in served:
             problems.append(f"no compose service runs `deepinfer serve {service}`")
     return problems
 

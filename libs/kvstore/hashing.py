@@ -4,7 +4,11 @@
     h_i    = SHA-256(h_{i-1} ‖ tokens of block i as little-endian u32 ‖ extra keys)
 
 Only full blocks are hashed. ``extra`` (e.g. the template version, a tenant's
-``cache_salt``) is mixed into block 0 and so into every later hash. SHA-256 is
+``cache_salt``) is mixed into block 0 and so into every later hash. ``images``
+(multimodal prompts: ``(offset, length, content hash)`` of each image's run of
+placeholder tokens) add to every block they overlap the image's offset, length
+and hash (``image_keys``): the placeholders are the same token for every image, so
+without this the same text with another image would name the same KV. SHA-256 is
 stable across processes and machines and collision-resistant, so a hash never
 names another tenant's KV (Python's ``hash`` is neither).
 """
@@ -54,20 +58,44 @@ def hash_block(prev: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
     return h.digest()
 
 
+def image_keys(images, start: int, end: int) -> bytes:
+    """Extra keys of the block of tokens [start, end) for the images overlapping it.
+
+    images: ``(offset, length, content hash as hex)`` of each image's placeholder run, in any order.
+    Each overlapping image adds ``b"img" ‖ offset as LE u32 ‖ length as LE u32 ‖ hash bytes``,
+    in offset order (b"" when none overlaps, so text-only hashes are unchanged).
+    """
+    out = b""
+    for offset, length, digest in sorted(images or ()):
+        if offset < end and offset + length > start:
+            out += b"img" + struct.pack("<II", offset, length) + bytes.fromhex(digest)
+    return out
+
+
 def extend_hashes(hashes: list[str], token_ids: list[int], block_size: int, fingerprint: str,
-                  extra: bytes = b"") -> list[str]:
+                  extra: bytes = b"", images=()) -> list[str]:
     """Append to ``hashes`` the hex hashes of the full blocks of ``token_ids`` not hashed yet.
 
     ``hashes`` must be the chain of the first ``len(hashes)`` blocks of these
-    tokens (as this function built it); returns the same list.
+    tokens (as this function built it, with the same ``images``); returns the same list.
+    images: see ``image_keys``.
     """
     prev = bytes.fromhex(hashes[-1]) if hashes else root_hash(fingerprint)
     for i in range(len(hashes), len(token_ids) // block_size):
-        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], extra if i == 0 else b"")
+        start, end = i * block_size, (i + 1) * block_size
+        keys = (extra if i == 0 else b"") + (image_keys(images, start, end) if images else b"")
+        prev = hash_block(prev, token_ids[start:end], keys)
         hashes.append(prev.hex())
     return hashes
 
 
-def block_hashes(token_ids: list[int], block_size: int, fingerprint: str, extra: bytes = b"") -> list[str]:
-    """Hex hashes of the full blocks of ``token_ids`` (len // block_size of them)."""
-    return extend_hashes([], token_ids, block_size, fingerprint, extra)
+def block_hashes(token_ids: list[int], block_size: int, fingerprint: str, extra: bytes = b"",
+                 images=()) -> list[str]:
+    """Hex hashes of the full blocks of ``token_ids`` (len // block_size of them); images: see ``image_keys``."""
+    return extend_hashes([], token_ids, block_size, fingerprint, extra, images)
+
+
+def embeddings_fingerprint(model_dir: str | Path, dtype: str = "float32") -> str:
+    """Directory name of a model's image embeddings in the storage tier (``<root>/<this>/embeddings/``):
+    the model fingerprint of (weights, the vision worker's dtype), with no block size."""
+    return model_fingerprint(model_dir, dtype, 0, "embeddings")

@@ -28,6 +28,8 @@ from deepinfer.protocol.messages import (  # noqa: F401
     SamplingParams,
     SubmitReply,
     TokenChunk,
+    VisionEncodeReply,
+    VisionEncodeRequest,
     pack,
     unpack,
 )

@@ -128,6 +128,34 @@ class EncodeChatReply:
 
 
 @message
+class VisionEncodeRequest:
+    """gateway -> vision (``deepinfer.vision.encode``, queue group ``vision``): encode a request's images.
+
+    images: each image's file bytes (PNG, JPEG, WebP, GIF's first frame, BMP), already taken
+    out of its data: URL or fetched by the gateway. The vision worker validates and decodes
+    them, hashes their pixels, and stores their embeddings in the storage tier (a cache hit
+    skips the vision tower). Refused with ``ErrorReply(kind="bad_request")`` naming the image.
+    """
+
+    request_id: str
+    images: list[bytes]
+
+
+@message
+class VisionEncodeReply:
+    """vision -> gateway: per image, in order, its content hash (hex SHA-256 of its RGB pixels and
+    size, ``vision.service.image_hash``) under which its embeddings [tokens_per_image, hidden] now
+    sit in the storage tier (``<kv root>/<embeddings_fingerprint>/embeddings/``), and whether they
+    were there already (cached)."""
+
+    request_id: str
+    image_hashes: list[str]
+    tokens_per_image: int
+    embeddings_fingerprint: str
+    cached: list[bool] = field(default_factory=list)
+
+
+@message
 class PrefillRequest:
     """gateway -> prefill: run the prompt, emit the first token, hand off to decode.
 
@@ -299,6 +327,9 @@ class LoadReport:
     swa_cache_bytes: int = 0
     swa_cache_hits: int = 0
     swa_cache_misses: int = 0
+    vision_forwards: int = 0  # vision workers: vision tower forward passes since start
+    vision_images: int = 0  # vision workers: images encoded (misses) / served from the cache (hits)
+    vision_cache_hits: int = 0
 
 
 @message

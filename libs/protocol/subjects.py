@@ -16,6 +16,7 @@ TOKENIZER_GROUP = "tokenizer"
 PREFILL_GROUP = "prefill"
 DECODE_GROUP = "decode"
 KVINDEX_GROUP = "kvindex"
+VISION_GROUP = "vision"
 
 # Request/reply, served by a queue group.
 TOKENIZER_ENCODE_CHAT = f"{PREFIX}.tokenizer.encode_chat"
@@ -23,6 +24,7 @@ PREFILL_SUBMIT = f"{PREFIX}.prefill.submit"
 DECODE_SUBMIT = f"{PREFIX}.decode.submit"
 KVINDEX_LOOKUP = f"{PREFIX}.kvindex.lookup"  # KVLookupRequest -> KVLookupReply
 KVINDEX_HEALTH = f"{PREFIX}.kvindex.health"  # KVIndexHealthRequest -> KVIndexHealth
+VISION_ENCODE = f"{PREFIX}.vision.encode"  # VisionEncodeRequest -> VisionEncodeReply
 
 # KV events (KVEvent) of every worker, kept in a JetStream stream until the kvindex consumes them.
 KV_EVENTS_STREAM = "DEEPINFER_KV_EVENTS"

@@ -1,1 +1,1 @@
-"""Vision service: image decoding and encoding, embeddings cached by content hash. Not built yet (issue #11)."""
+"""Vision service: image decoding and the vision encoder, embeddings cached by content hash (issue #11)."""

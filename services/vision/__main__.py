@@ -1,0 +1,3 @@
+from deepinfer.vision.service import main
+
+main()
