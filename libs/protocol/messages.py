@@ -121,10 +121,15 @@ class EncodeChatRequest:
 
 @message
 class EncodeChatReply:
-    """tokenizer -> gateway: prompt token ids (int32 range) of the rendered chat."""
+    """tokenizer -> gateway: prompt token ids (int32 range) of the rendered chat.
+
+    images: vision-language models, per image part in prompt order ``[offset, length, content
+    hash]``: its run of placeholder tokens in ``token_ids`` and the vision service's hash.
+    """
 
     request_id: str
     token_ids: list[int]
+    images: list[list] = field(default_factory=list)
 
 
 @message

@@ -62,6 +62,23 @@ class Segment:
     control_id: int | None = None
 
 
+def image_config(model_dir: str | Path) -> tuple[int, int] | None:
+    """(image token id, tokens per image) of a LLaVA-style model directory (config.json with a
+    ``vision_config``), as ``models.llava`` computes them; None for a text-only model."""
+    import json
+
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vision = raw.get("vision_config")
+    if not vision:
+        return None
+    token = raw.get("image_token_id", raw.get("image_token_index", 32000))
+    per_image = (vision.get("image_size", 224) // vision.get("patch_size", 32)) ** 2
+    return token, per_image + (raw.get("vision_feature_select_strategy", "default") == "full")
+
+
 class ChatRecipe:
     """Encode chats for one model. Thread-safe: every request's state is local.
 
@@ -72,7 +89,8 @@ class ChatRecipe:
     Raises ValueError if the tokenizer has no chat template.
     """
 
-    def __init__(self, hf_tokenizer, chunk_chars: int = 8192):
+    def __init__(self, hf_tokenizer, chunk_chars: int = 8192, image_token_id: int | None = None,
+                 tokens_per_image: int = 0):
         template = hf_tokenizer.chat_template
         if not template:
             raise ValueError("the model has no chat template")
@@ -84,6 +102,11 @@ class ChatRecipe:
         self.vocab: Vocab = load_vocab(hf_tokenizer.backend_tokenizer.to_str())
         self.edges = EdgeSets.of(self.vocab.control)
         self.chunk_chars = chunk_chars
+        # vision-language models: the template's image token, expanded to tokens_per_image placeholders
+        self.image_token_id = image_token_id if tokens_per_image else None
+        self.tokens_per_image = tokens_per_image
+        if self.image_token_id is not None and self.image_token_id not in self.vocab.control_ids:
+            raise ValueError(f"image token {image_token_id} is not a control token of the tokenizer")
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs) -> "ChatRecipe":
@@ -91,7 +114,36 @@ class ChatRecipe:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
+        image = image_config(model_dir)
+        if image:
+            kwargs.setdefault("image_token_id", image[0])
+            kwargs.setdefault("tokens_per_image", image[1])
         return cls(AutoTokenizer.from_pretrained(str(model_dir)), **kwargs)
+
+    def encode_chat_images(self, messages, tools=None, add_generation_prompt: bool = True, *,
+                           parallel: bool = True, nonce: str | None = None
+                           ) -> tuple[list[int], list[tuple[int, int, str]]]:
+        """Token ids of a chat prompt with image parts (``template_messages``), and per image
+        ``(offset, length, content hash)`` of its placeholder run, in prompt order.
+
+        The template renders each image part as the image token (a control token: only the
+        template makes one; ``<image>`` typed by a client stays text); each one becomes
+        ``tokens_per_image`` placeholder ids. Raises ValueError for image parts on a text-only
+        model, or when the template rendered another number of image tokens than there are images.
+        """
+        if self.image_token_id is None:
+            return self.encode_chat(messages, tools, add_generation_prompt, parallel=parallel, nonce=nonce), []
+        hashes: list[str] = []
+        segs = self.segments(messages, tools, add_generation_prompt, nonce=nonce, images=hashes)
+        n = sum(seg.control_id == self.image_token_id for seg in segs)
+        if n != len(hashes):
+            raise ValueError(f"the chat template rendered {n} image tokens for {len(hashes)} images")
+        ids = self.encode_segments(segs, parallel)
+        out, it = [], iter(hashes)  # image token ids come only from the template: runs of tokens_per_image
+        for pos, t in enumerate(ids):
+            if t == self.image_token_id and (not out or out[-1][0] + out[-1][1] <= pos):
+                out.append((pos, self.tokens_per_image, next(it)))
+        return ids, out
 
     def encode_chat(self, messages, tools=None, add_generation_prompt: bool = True, *,
                     parallel: bool = True, nonce: str | None = None) -> list[int]:
@@ -99,13 +151,13 @@ class ChatRecipe:
         return self.encode_segments(self.segments(messages, tools, add_generation_prompt, nonce=nonce), parallel)
 
     def segments(self, messages, tools=None, add_generation_prompt: bool = True, *,
-                 nonce: str | None = None) -> list[Segment]:
+                 nonce: str | None = None, images: list[str] | None = None) -> list[Segment]:
         """Render the template and cut the prompt at the template's control tokens.
 
         nonce: the placeholders' nonce (20 digits; default: a fresh random one).
         Raises ValueError for bad messages, a template error, or client text containing the nonce.
         """
-        msgs = template_messages(messages, self.developer_role)
+        msgs = template_messages(messages, self.developer_role, images)
         tool_schemas = template_tools(tools)
         if not self.renders_tools and (tool_schemas or any(m.get("tool_calls") for m in msgs)):
             msgs, tool_schemas = inline_tools(msgs, tool_schemas), None
@@ -152,7 +204,7 @@ class ChatRecipe:
         it, n = iter(encodings), iter(counts)
         for seg in segments:
             if seg.control_id is not None:
-                ids.append(seg.control_id)
+                ids.extend([seg.control_id] * (self.tokens_per_image if seg.control_id == self.image_token_id else 1))
                 continue
             for _ in range(next(n)):
                 piece = next(it).ids

@@ -20,15 +20,20 @@ import json
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def template_messages(messages, developer_role: bool) -> list[dict]:
+def template_messages(messages, developer_role: bool, images: list[str] | None = None) -> list[dict]:
     """Validated copies of ``messages`` in the shape chat templates expect.
 
     developer_role: the template knows a ``developer`` role (else it is mapped to ``system``).
+    images: None = text only (an image part is a ValueError); a list = the model takes images:
+    each image part (``{"type": "image", "image_hash": <hex>}``, as the gateway sends them once
+    the vision service has the image) becomes ``{"type": "image"}`` in a list content (a message
+    with images keeps its parts in order, text parts as ``{"type": "text", "text"}``), and its
+    hash is appended to ``images``, in prompt order.
     Raises ValueError for a bad role, content, tool call or field type.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list")
-    return [_message(i, m, developer_role) for i, m in enumerate(messages)]
+    return [_message(i, m, developer_role, images) for i, m in enumerate(messages)]
 
 
 def template_tools(tools) -> list[dict] | None:
@@ -40,7 +45,7 @@ def template_tools(tools) -> list[dict] | None:
     return [dict(t) for t in tools]
 
 
-def _message(i: int, m, developer_role: bool) -> dict:
+def _message(i: int, m, developer_role: bool, images: list[str] | None = None) -> dict:
     if not isinstance(m, dict):
         raise ValueError(f"messages[{i}] must be an object")
     role = m.get("role")
@@ -48,7 +53,11 @@ def _message(i: int, m, developer_role: bool) -> dict:
         raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
     if role == "developer" and not developer_role:
         role = "system"
-    out = {"role": role, "content": content_text(m.get("content"), f"messages[{i}].content")}
+    content = m.get("content")
+    if images is not None and _has_image(content):
+        out = {"role": role, "content": image_content(content, f"messages[{i}].content", images)}
+    else:
+        out = {"role": role, "content": content_text(content, f"messages[{i}].content")}
     if m.get("tool_calls"):
         if role != "assistant":
             raise ValueError(f"messages[{i}]: only assistant messages carry tool_calls")
@@ -75,6 +84,30 @@ def content_text(content, where: str = "content") -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"{where} must be a string or a list of text parts")
+
+
+def _has_image(content) -> bool:
+    return isinstance(content, (list, tuple)) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                      for p in content)
+
+
+def image_content(content, where: str, images: list[str]) -> list[dict]:
+    """A list content with image parts -> template parts (text and ``{"type": "image"}``); each
+    image's hash appended to ``images``. Raises ValueError for another part or a bad hash."""
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            h = part.get("image_hash")
+            if not isinstance(h, str) or len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+                raise ValueError(f"{where}[{j}]: an image part needs the vision service's image_hash")
+            out.append({"type": "image"})
+            images.append(h)
+        else:
+            raise ValueError(f"{where}[{j}]: only text and image content parts are supported")
+    return out
 
 
 def _tool_call(where: str, call) -> dict:

@@ -8,7 +8,9 @@ Lifecycle of a request in this service:
      model's chat template and encodes it, control tokens only from the
      template (TECHNIQUES §1). ``tokenizers`` releases the GIL and encodes a
      request's text segments in parallel (Rust threads).
-  3. The reply is an ``EncodeChatReply`` with the prompt's token ids, or an
+  3. The reply is an ``EncodeChatReply`` with the prompt's token ids (vision-language models:
+     each image part rendered by the template as the image token, expanded to the model's
+     tokens per image, and each image's (offset, length, content hash)), or an
      ``ErrorReply(kind="bad_request")`` (the gateway's 400) when the messages
      are malformed, the template refuses them, or text contains the request's
      placeholder nonce.
@@ -50,16 +52,17 @@ class TokenizerService(Service):
 
     async def on_encode_chat(self, req: EncodeChatRequest):
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(self.pool, self.encode_chat, req)
+            ids, images = await asyncio.get_running_loop().run_in_executor(self.pool, self.encode_chat, req)
         except ValueError as e:
             return ErrorReply(error=str(e), kind="bad_request")
         trace.get_current_span().set_attribute("gen_ai.usage.input_tokens", len(ids))
-        log.info("tokenized", messages=len(req.messages), prompt_tokens=len(ids))
-        return EncodeChatReply(request_id=req.request_id, token_ids=ids)
+        log.info("tokenized", messages=len(req.messages), prompt_tokens=len(ids), images=len(images))
+        return EncodeChatReply(request_id=req.request_id, token_ids=ids, images=[list(i) for i in images])
 
-    def encode_chat(self, req: EncodeChatRequest) -> list[int]:
-        """The prompt's ids; raises ValueError for messages the recipe or the template refuses."""
-        return self.recipe.encode_chat(req.messages, req.tools, req.add_generation_prompt)
+    def encode_chat(self, req: EncodeChatRequest) -> tuple[list[int], list[tuple[int, int, str]]]:
+        """The prompt's ids and its images' (offset, length, hash) (none for a text-only model);
+        raises ValueError for messages the recipe or the template refuses."""
+        return self.recipe.encode_chat_images(req.messages, req.tools, req.add_generation_prompt)
 
     async def teardown(self) -> None:
         self.pool.shutdown(wait=False)
