@@ -93,6 +93,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1, model {model_id or '?'})\n"
             f"  logs:  {mesh.workdir}/logs\n"
+            f"  mesh:  NATS {mesh.nats_url}, Redis {mesh.redis_url}, storage tier {mesh.kv_root}\n"
+            f"  workers: deepinfer status --nats {mesh.nats_url}\n"
+            f"  scale: DEEPINFER_NATS_URL={mesh.nats_url} DEEPINFER_REDIS_URL={mesh.redis_url} "
+            f"DEEPINFER_KV_ROOT={mesh.kv_root} DEEPINFER_MODEL={mesh.model_dir} deepinfer serve prefill "
+            f"--worker-id prefill-extra\n"
             f"  metrics: {url}/metrics (gateway); workers: "
             f"{', '.join(f'{w} :{p}' for w, p in mesh.metrics_ports.items()) or 'none'}\n"
             f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"

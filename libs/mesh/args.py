@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
@@ -13,7 +15,8 @@ def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=os.environ.get("DEEPINFER_MODEL"),
                    help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")
     p.add_argument("--worker-id", default=None, help="unique id of this replica (default: random)")
-    p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"), type=str.upper,
+                   choices=LOG_LEVELS, help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DEEPINFER_METRICS_PORT") or 0),
                    help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (env DEEPINFER_METRICS_PORT; "
                         "default 0: no metrics server)")

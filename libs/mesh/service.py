@@ -127,8 +127,17 @@ def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0
             loop.add_signal_handler(sig, stop.set)
         if metrics_port:
             metrics.start_metrics_server(metrics_port, metrics.ServiceCollector(service, loop))
-        await service.start()
-        await stop.wait()
+        # NOTE: the NATS client retries an unreachable server forever (logging ``nats_error``):
+        # SIGTERM / SIGINT end a service that never connected
+        starting, stopping = asyncio.ensure_future(service.start()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.warning("service_stopped_before_connecting", role=service.role, nats=service.nats_url)
+            return
+        starting.result()  # a failed start raises here
+        await stopping
         log.info("service_stopping", role=service.role)
         await service.stop()
 

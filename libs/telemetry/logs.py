@@ -32,25 +32,39 @@ def _add_trace_ids(_, __, event_dict):
 
 
 def configure_logging(service: str, worker_id: str = "", level: str = "INFO") -> None:
-    """Route structlog and stdlib logging to stderr as JSON (pretty on a TTY)."""
+    """Route structlog and stdlib logging (uvicorn, OpenTelemetry's exporters, any
+    library) to stderr as JSON lines with the same fields (pretty on a TTY).
+
+    ``level``: DEBUG, INFO, WARNING, ERROR (an unknown name means INFO). Our own
+    loggers log at ``level``; third-party stdlib loggers at WARNING and above,
+    except uvicorn's start-up lines at INFO.
+    """
     pretty = sys.stderr.isatty()
     renderer = structlog.dev.ConsoleRenderer() if pretty else structlog.processors.JSONRenderer()
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_service,
+        _add_trace_ids,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _add_service,
-            _add_trace_ids,
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     _service_fields.update(service=service, worker_id=worker_id)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # stdlib records: the same processors, the logger's name as ``logger``, the message as ``event``
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
+                    renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)  # "Uvicorn running on ..."
 
 
 def get_logger(name: str | None = None):

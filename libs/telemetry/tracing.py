@@ -7,11 +7,13 @@ handler inside a span parented by the sender's.
 
 Export is chosen by the standard OpenTelemetry environment variables:
 
-* ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf; endpoint, headers
-  and timeout from ``OTEL_EXPORTER_OTLP_*``), ``console`` (JSON to stdout), ``none``;
-  a comma-separated list for several. Unset: ``otlp`` when
+* ``OTEL_TRACES_EXPORTER``: ``otlp`` (endpoint, headers and timeout from
+  ``OTEL_EXPORTER_OTLP_*``; ``OTEL_EXPORTER_OTLP_PROTOCOL`` ``http/protobuf``, the
+  default, or ``grpc`` with opentelemetry-exporter-otlp-proto-grpc installed),
+  ``console`` (JSON to stdout), ``none``; a comma-separated list for several; an
+  unknown name is skipped with a warning. Unset: ``otlp`` when
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set,
-  else none.
+  else none. ``OTEL_SDK_DISABLED=true``: none.
 * ``OTEL_SERVICE_NAME`` overrides the service name (default ``deepinfer-<role>``);
   ``OTEL_RESOURCE_ATTRIBUTES`` adds resource attributes (the SDK reads both).
 * ``DEEPINFER_TRACES_FILE``: ours, also write every span as one JSON line to this
@@ -40,7 +42,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
                                             SpanExporter, SpanExportResult)
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler
+
+from deepinfer.telemetry.logs import get_logger
+
+log = get_logger(__name__)
 
 _provider: TracerProvider | None = None
 
@@ -82,7 +88,11 @@ def span_record(span: ReadableSpan) -> dict:
 
 
 def _exporters() -> list[tuple[SpanExporter, bool]]:
-    """(exporter, batched) per configured exporter (see the module docstring)."""
+    """(exporter, batched) per configured exporter (see the module docstring). A name it
+    does not know, or OTLP over gRPC without its package, is skipped with a warning:
+    tracing is never a reason for a service not to serve."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
     names = os.environ.get("OTEL_TRACES_EXPORTER")
     if names is None:
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -92,24 +102,51 @@ def _exporters() -> list[tuple[SpanExporter, bool]]:
         if name in ("", "none"):
             continue
         if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
+            protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf")
+            try:
+                if protocol == "grpc":
+                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+                else:
+                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            except ImportError:
+                log.warning("otel_exporter_unavailable", protocol=protocol,
+                            hint="pip install opentelemetry-exporter-otlp-proto-grpc, or use http/protobuf")
+                continue
             out.append((OTLPSpanExporter(), True))
         elif name == "console":
             out.append((ConsoleSpanExporter(), False))
         else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} (otlp, console, none)")
+            log.warning("otel_exporter_unsupported", exporter=name, supported="otlp, console, none")
     path = os.environ.get("DEEPINFER_TRACES_FILE")
     if path:
         out.append((JsonLinesExporter(path), False))
     return out
 
 
-def configure_tracing(service: str, worker_id: str = "") -> None:
-    """Install the SDK tracer provider and the configured exporters, once per process.
+class _QuietSampler(Sampler):
+    """The SDK's default (parent-based, always on) except for health checks and metric
+    scrapes: their spans and children are not recorded (a 5 s health check and scrape
+    would otherwise be most of the traces)."""
 
-    Raises ValueError for an ``OTEL_TRACES_EXPORTER`` name it does not know.
-    """
+    QUIET = frozenset({"GET /health", "GET /metrics", "kvindex.health", "balancer.status"})
+    QUIET_PATHS = frozenset({"/health", "/metrics"})  # FastAPI names its server span "GET" at first
+
+    def __init__(self):
+        self._default = ParentBased(ALWAYS_ON)
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None):
+        if name in self.QUIET or (attributes or {}).get("url.path") in self.QUIET_PATHS:
+            return ALWAYS_OFF.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        return self._default.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return "DeepInferQuietSampler"
+
+
+def configure_tracing(service: str, worker_id: str = "") -> None:
+    """Install the SDK tracer provider and the configured exporters, once per process."""
     global _provider
     if _provider is not None:
         return
@@ -120,7 +157,7 @@ def configure_tracing(service: str, worker_id: str = "") -> None:
     exporters = _exporters()
     # nothing to export: spans are not recorded (ALWAYS_OFF), only their ids made, for log lines
     # and propagation (13.7 against 29 us a span with a recording one on this CPU)
-    provider = TracerProvider(resource=Resource.create(attrs), sampler=None if exporters else ALWAYS_OFF)
+    provider = TracerProvider(resource=Resource.create(attrs), sampler=_QuietSampler() if exporters else ALWAYS_OFF)
     for exporter, batched in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter) if batched else SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)

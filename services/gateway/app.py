@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer.gateway import metrics as gateway_metrics
 from deepinfer.gateway import openai_schema as oai
@@ -137,28 +138,36 @@ class RootSpanMiddleware:
             return await self.app(scope, receive, send)
         current = trace.get_current_span()
         if current.is_recording() and current.kind is trace.SpanKind.SERVER:  # FastAPI's
-            self._annotate(current, scope)
-            token = REQUEST_SPAN.set(current)
-            try:
-                return await self.app(scope, receive, send)
-            finally:
-                REQUEST_SPAN.reset(token)
+            return await self._serve(current, scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         name = f"{scope['method']} {scope['path']}"
-        with tracer().start_as_current_span(name, context=extract_context(headers), kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"]})
-            self._annotate(span, scope)
-            token = REQUEST_SPAN.set(span)
+        with tracer().start_as_current_span(name, context=extract_context(headers), kind=trace.SpanKind.SERVER,
+                                            attributes={"http.request.method": scope["method"],
+                                                        "url.path": scope["path"]}) as span:
+            await self._serve(span, scope, receive, send, own=True)
 
-            async def send_with_status(message):
-                if message["type"] == "http.response.start":
-                    span.set_attribute("http.response.status_code", message["status"])
-                await send(message)
+    async def _serve(self, span, scope, receive, send, own: bool = False) -> None:
+        """Run the app under ``span``; an answer >= 400 is logged (the API handlers log the
+        requests they serve) with the request id when the handler had bound one."""
+        self._annotate(span, scope)
+        token, status = REQUEST_SPAN.set(span), [0]
 
-            try:
-                await self.app(scope, receive, send_with_status)
-            finally:
-                REQUEST_SPAN.reset(token)
+        async def send_with_status(message):
+            if message["type"] == "http.response.start":  # (FastAPI's span ends with the body)
+                status[0] = message["status"]
+                if own:
+                    span.set_attribute("http.response.status_code", status[0])
+                request_id = structlog.contextvars.get_contextvars().get("request_id")
+                if request_id:  # also on answers the handler refused before generating
+                    span.set_attribute("deepinfer.request_id", request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            REQUEST_SPAN.reset(token)
+            if status[0] >= 400 and scope["path"] not in ("/health", "/metrics"):
+                log.info("request_failed", method=scope["method"], path=scope["path"], status=status[0])
 
     @staticmethod
     def _annotate(span, scope) -> None:

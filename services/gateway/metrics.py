@@ -159,7 +159,11 @@ class GatewayCollector:
         yield rejected
         workers = GaugeMetricFamily("deepinfer_gateway_workers", "Live workers by role (heartbeats)",
                                     labels=["role"])
-        for role, n in sorted(gw.registry.counts().items()):
+        from deepinfer.gateway.generate import REQUIRED_ROLES  # (generate imports this module)
+
+        counts = {role: 0 for role in REQUIRED_ROLES}  # a required role with none alive reads 0, not absent
+        counts.update(gw.registry.counts())
+        for role, n in sorted(counts.items()):
             workers.add_metric([role], n)
         yield workers
 
