@@ -550,10 +550,18 @@ def check_wiring(compose: dict, dockerfile: str, collector: dict) -> list[str]:
                      else "grpc" if "otlp.proto.grpc" in tracing_code else None)
     for name, svc in deepinfer_services(compose).items():
         env = environment(svc)
+        exporters = [e.strip() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+        unknown = [e for e in exporters if e not in TRACE_EXPORTERS]
+        if unknown:
+            problems.append(f"{name}: OTEL_TRACES_EXPORTER {unknown} not among {TRACE_EXPORTERS}")
         endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if not endpoint:
             continue
         host, port = host_port(endpoint)
+        path = urlsplit(endpoint).path
+        if not env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") and path not in ("", "/"):
+            # the base endpoint gets /v1/traces appended by the exporter
+            problems.append(f"{name}: OTEL_EXPORTER_OTLP_ENDPOINT {endpoint} has a path ({path})")
         if host not in collectors:
             problems.append(f"{name}: OTLP endpoint {endpoint} is not the collector ({collectors})")
         protocol = code_protocol or ("grpc" if env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc") == "grpc" else "http")
@@ -941,6 +949,8 @@ def _add_service(name, command, build=False):
     return mutate
 
 
+TRACE_EXPORTERS = ("otlp", "console", "none")  # what libs/telemetry/tracing.py knows
+
 COMPOSE_BREAKAGES = {
     "renamed flag": (_set_command("gateway", ["serve", "gateway", "--host", "0.0.0.0", "--http-port", "8000"]),
                      "commands", "unrecognized arguments: --http-port"),
@@ -971,6 +981,11 @@ COMPOSE_BREAKAGES = {
                                    "wiring", "listens on 8080"),
     "OTLP to the gRPC port": (_set_env("tokenizer", "OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel-collector:4317"),
                               "wiring", "the collector receives it on port"),
+    "OTLP base endpoint with a path": (_set_env("tokenizer", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                                               "http://otel-collector:4318/v1/traces"), "wiring", "has a path"),
+    "unknown trace exporter": (_set_env("tokenizer", "OTEL_TRACES_EXPORTER", "otlp_grpc"), "wiring",
+                               "not among"),
+    "bad log level": (_set_env("gateway", "DEEPINFER_LOG_LEVEL", "verbose"), "commands", "is not one of"),
     "OTLP past the collector": (_set_env("tokenizer", "OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4318"),
                                 "wiring", "is not the collector"),
     "unknown depends_on": (_add_depends("gateway", "nats-server"), "wiring", "depends_on nats-server, no such service"),

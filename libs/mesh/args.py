@@ -8,6 +8,14 @@ import os
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def log_level(s: str) -> str:
+    """``--log-level`` / DEEPINFER_LOG_LEVEL: one of LOG_LEVELS, any case (argparse applies a
+    ``type`` to an environment default too, where ``choices`` would not be checked)."""
+    if s.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(LOG_LEVELS)}")
+    return s.upper()
+
+
 def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
     p.add_argument("--nats", "--nats-url", dest="nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),
@@ -15,8 +23,8 @@ def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=os.environ.get("DEEPINFER_MODEL"),
                    help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")
     p.add_argument("--worker-id", default=None, help="unique id of this replica (default: random)")
-    p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"), type=str.upper,
-                   choices=LOG_LEVELS, help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
+    p.add_argument("--log-level", default=os.environ.get("DEEPINFER_LOG_LEVEL", "INFO"), type=log_level,
+                   help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DEEPINFER_METRICS_PORT") or 0),
                    help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (env DEEPINFER_METRICS_PORT; "
                         "default 0: no metrics server)")

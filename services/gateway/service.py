@@ -21,7 +21,7 @@ from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
 from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
 from deepinfer.gateway.stream import StreamTimeouts
-from deepinfer.mesh.args import LOG_LEVELS
+from deepinfer.mesh.args import log_level
 from deepinfer.telemetry import configure_logging, configure_tracing, shutdown_tracing
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--host", default=env("DEEPINFER_GATEWAY_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("DEEPINFER_GATEWAY_PORT", "8000")))
     p.add_argument("--worker-id", default=env("DEEPINFER_WORKER_ID", "gateway"))
-    p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"), type=str.upper, choices=LOG_LEVELS,
+    p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"), type=log_level,
                    help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without output before a request fails")
     p.add_argument("--handoff-timeout", type=float, default=15.0, help="seconds prefill->decode may take")
