@@ -63,7 +63,8 @@ class BlockManager:
     # --- hashing -------------------------------------------------------------
     def hashes(self, seq: Sequence) -> list[str]:
         """The sequence's full-block hash chain, extended to its current tokens."""
-        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.fingerprint, seq.cache_salt)
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.fingerprint, seq.cache_salt,
+                             seq.images)
 
     # --- prefix cache -----------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

@@ -253,11 +253,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     output_token_ids: list[int] = (), kv_blocks: torch.Tensor | None = None,
                     num_kv_tokens: int = 0, cache_salt: str | None = None,
-                    num_exact_tokens: int | None = None) -> None:
+                    num_exact_tokens: int | None = None, images=(), image_embeds=None) -> None:
         """Queue a request. With ``kv_blocks`` covering the first ``num_kv_tokens`` tokens
         (must be all tokens but the last), it joins the running batch without a prefill;
         ``num_exact_tokens``: how many of them hold a cold run's KV (None = all; fewer after
         a bounded replay on the prefill worker: the rest never enters the prefix cache).
+        images: ``(offset, length, content hash)`` of each image's placeholder run (hashed into
+        the blocks it overlaps); image_embeds: each image's embeddings [length, hidden], fed for
+        its placeholder rows (None: only hashed; recomputing those rows then fails the request).
 
         Raises RequestError for an empty or too-long prompt, a bad ``swa_replay``, an unsupported
         ``structured`` spec or inconsistent KV. A structured request's matcher consumes
@@ -267,6 +270,15 @@ class LLMEngine:
         tokens = list(prompt_token_ids) + list(output_token_ids)
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode())
+        if images:
+            seq.images = [(int(o), int(n), str(h)) for o, n, h in images]
+            if any(o < 0 or o + n > len(prompt_token_ids) for o, n, _ in seq.images):
+                raise RequestError("an image's placeholder run lies outside the prompt")
+            if image_embeds is not None:
+                if len(image_embeds) != len(seq.images) or any(
+                        e.shape[0] != n for e, (_, n, _) in zip(image_embeds, seq.images)):
+                    raise RequestError("image embeddings do not match the images' placeholder runs")
+                seq.image_embeds = list(image_embeds)
         if self.block_manager.enable_prefix_caching:
             # NOTE: the hash chain the scheduler computes anyway (cached on the sequence),
             # taken now so ``queued_prefill`` can see a waiting request's cached prefix.

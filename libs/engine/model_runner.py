@@ -50,6 +50,8 @@ class StepInputs:
     # window blocks to fill from the SWA state cache before the forward pass:
     # (block ids, [n, num_window_layers, 2, block_size, num_kv_heads, head_dim])
     window_restores: tuple[list[int], torch.Tensor] | None = None
+    # image embeddings of the fed placeholder rows: (rows [K] int64, embeds [K, hidden]) or None
+    embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -94,8 +96,11 @@ class ModelRunner:
         filled by ``fill`` once that step is back.
         """
         input_ids, positions, query_lens, context_lens, placeholders, rows = [], [], [], [], [], []
+        image_rows, image_embeds = [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            if seq.images:  # the chunk's rows of each image it overlaps (a chunk may cut an image)
+                self._image_rows(seq, start, end, len(input_ids), image_rows, image_embeds)
             tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
             known = tokens[start:end]
             for p in range(start + len(known), end):
@@ -116,8 +121,24 @@ class ModelRunner:
             meta.append(build_metadata(query_lens, context_lens, tables, self.block_size,
                                        per_sequence=self.batch_invariant, first_blocks=first,
                                        key_starts=[s.replay_start for s in seqs]))
+        override = (torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          meta, torch.tensor(rows, dtype=torch.long), placeholders)
+                          meta, torch.tensor(rows, dtype=torch.long), placeholders, embeds_override=override)
+
+    @staticmethod
+    def _image_rows(seq: Sequence, start: int, end: int, base: int, rows: list, embeds: list) -> None:
+        """Append the packed rows (``base`` + position - start) and embeddings of the image
+        placeholders among positions [start, end). Raises RuntimeError when the sequence has
+        images but no embeddings here (an imported multimodal prompt cannot be recomputed)."""
+        for k, (offset, length, _) in enumerate(seq.images):
+            lo, hi = max(start, offset), min(end, offset + length)
+            if lo >= hi:
+                continue
+            if seq.image_embeds is None:
+                raise RuntimeError(f"request {seq.request_id}: recomputing a prompt with images needs their "
+                                   "embeddings, which this worker does not have")
+            rows.extend(range(base + lo - start, base + hi - start))
+            embeds.append(seq.image_embeds[k][lo - offset : hi - offset])
 
     def _discard_replayed_writes(self, meta: AttentionMetadata, seqs: list[Sequence], query_lens: list[int]) -> None:
         """Point the full layers' cache writes of replayed positions (< ``seq.replay_end``)
@@ -146,6 +167,9 @@ class ModelRunner:
         if inputs.window_restores is not None:
             self.write_window_blocks(*inputs.window_restores)
             inputs.window_restores = None
+        if inputs.embeds_override is not None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index,
+                              input_embeds_override=inputs.embeds_override)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
 
     @torch.inference_mode()

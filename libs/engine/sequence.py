@@ -44,6 +44,11 @@ class Sequence:
     cache_salt: bytes = b""
     # Full-block prefix hashes of token_ids, extended lazily by the block manager.
     block_hashes: list[str] = field(default_factory=list)
+    # Vision-language prompts: (offset, length, content hash) of each image's placeholder run
+    # (extra keys of the blocks it overlaps, TECHNIQUES §2) and, where this engine computes the
+    # prompt, each image's embeddings [length, hidden] fed for those rows (None: none here).
+    images: list = field(default_factory=list)
+    image_embeds: list | None = None
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
     # Tokens fed in the step being scheduled (set by the scheduler).
