@@ -178,6 +178,10 @@ class PrefillRequest:
     cache_salt: str | None = None  # tenant key mixed into the prefix hashes: no sharing across salts
     decode_worker: str | None = None
     attempt: int = 0  # the gateway's submit attempt for this request (see ``AbortRequest.attempt``)
+    # vision-language prompts: [offset, length, content hash] per image (``EncodeChatReply.images``)
+    # and where the vision service put their embeddings (``VisionEncodeReply.embeddings_fingerprint``)
+    images: list[list] = field(default_factory=list)
+    embeddings_fingerprint: str = ""
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -209,6 +213,9 @@ class DecodeRequest:
     cache_salt: str | None = None
     window_block_keys: list[str] = field(default_factory=list)
     num_exact_blocks: int = -1
+    # [offset, length, content hash] per image of the prompt: hashed into its blocks (no embeddings:
+    # the KV carries them; a decode worker that would have to recompute such a prompt fails it)
+    images: list[list] = field(default_factory=list)
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 

@@ -89,6 +89,10 @@ class DecodeService(EngineWorker):
         self.spans[req.request_id] = tracer().start_span("decode.generate", attributes={
             "deepinfer.request_id": req.request_id, "deepinfer.kv.imported": whole})
         try:
+            if req.images and not whole:
+                # the images' embeddings live with prefill/vision: decode cannot recompute their rows
+                raise RequestError("a prompt with images needs all its KV from the storage tier "
+                                   "(decode cannot recompute image positions)")
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens)
             await self.async_engine.add_request(
@@ -96,6 +100,7 @@ class DecodeService(EngineWorker):
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
                 num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
                 num_exact_tokens=req.num_exact_blocks * bs if whole and req.num_exact_blocks >= 0 else None,
+                **({"images": req.images} if req.images else {}),
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)

@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Discriminator, model_validator
 
-from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages, field_names, log_finished,
+from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request
@@ -100,7 +100,34 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
-ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Discriminator("type")]
+class ImageSource(_Strict):
+    type: Literal["base64", "url"]
+    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif, image/webp
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.type == "base64" and (self.data is None or not self.media_type):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and not self.url:
+            raise ValueError("a url image source needs a url")
+        return self
+
+
+class ImageBlock(_Strict):
+    """An image (vision-language models): base64 data, or a URL the gateway fetches (``gateway.images``)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict | None = None
+
+    def url(self) -> str:
+        s = self.source
+        return f"data:{s.media_type};base64,{s.data}" if s.type == "base64" else s.url
+
+
+ContentBlock = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock], Discriminator("type")]
 
 
 class InputMessage(_Strict):
@@ -280,6 +307,18 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
+        if m.role == "user" and any(isinstance(b, ImageBlock) for b in m.content):
+            parts = []  # images: the parts in order (tool results are not mixed with images here)
+            for b in m.content:
+                if isinstance(b, ImageBlock):
+                    parts.append({"type": "image_url", "url": b.url()})
+                elif isinstance(b, TextBlock):
+                    parts.append({"type": "text", "text": b.text})
+                else:
+                    raise bad_request("a user turn with images may hold only text and image blocks",
+                                      param="messages")
+            out.append({"role": "user", "content": parts})
+            continue
         if m.role == "assistant":
             text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
             msg = {"role": "assistant", "content": text}
@@ -337,7 +376,7 @@ async def count_message_tokens(request: Request, gw: Gateway) -> Response:
     req = parse_body(CountTokensRequest, await request.body(), _FIELDS)
     validate(req, gw)
     check_workers(gw.registry)
-    ids = await encode_messages(gw, uuid.uuid4().hex, template_messages(req), template_tools(req))
+    ids, _, _ = await encode_messages_images(gw, uuid.uuid4().hex, template_messages(req), template_tools(req))
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -352,7 +391,8 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
     check_workers(gw.registry)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
-    prompt_ids = await encode_messages(gw, request_id, template_messages(req), template_tools(req))
+    prompt_ids, images, embeddings_fp = await encode_messages_images(gw, request_id, template_messages(req),
+                                                                     template_tools(req))
     max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_tokens, "max_tokens", "messages")
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -361,7 +401,8 @@ async def create_message(request: Request, gw: Gateway) -> Response:
         max_tokens=max_tokens,
         structured=structured,
     )
-    choices = new_choices(gw, request_id, 1, list(req.stop_sequences or []), traffic_class, req.cache_salt)
+    choices = new_choices(gw, request_id, 1, list(req.stop_sequences or []), traffic_class, req.cache_salt,
+                          images=images, embeddings_fingerprint=embeddings_fp)
     try:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:

@@ -73,6 +73,23 @@ async def encode_messages(gw: Gateway, request_id: str, messages: list[dict], to
     Raises 400 (the template refused the messages, or the prompt is empty; ``param`` names the field),
     503 (no tokenizer, or no answer within ``tokenizer_timeout_s``), 500 (tokenizer failure, bad reply).
     """
+    return list((await _encode(gw, request_id, messages, tools, param)).token_ids)
+
+
+async def encode_messages_images(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
+                                 param: str = "messages") -> tuple[list[int], list[list], str]:
+    """``encode_messages`` for messages that may hold image parts (``{"type": "image_url", "url"}``,
+    ``images.resolve_images``: fetched, checked and encoded by the vision service first). Returns
+    (prompt ids, ``[offset, length, content hash]`` per image, embeddings fingerprint)."""
+    from deepinfer.gateway.images import resolve_images
+
+    messages, fingerprint = await resolve_images(gw, request_id, messages, param)
+    reply = await _encode(gw, request_id, messages, tools, param)
+    return list(reply.token_ids), [list(i) for i in reply.images], fingerprint
+
+
+async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
+                  param: str) -> EncodeChatReply:
     msg = EncodeChatRequest(request_id, messages, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
     try:
@@ -91,7 +108,7 @@ async def encode_messages(gw: Gateway, request_id: str, messages: list[dict], to
         raise internal(f"bad reply from the tokenizer: {e}") from None
     if not reply.token_ids:
         raise bad_request("the rendered prompt is empty", param=param)
-    return list(reply.token_ids)
+    return reply
 
 
 def output_budget(max_model_len: int, num_prompt_tokens: int, requested: int | None, param: str,

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.api_common import encode_messages
+from deepinfer.gateway.api_common import encode_messages_images
 from deepinfer.gateway.config import ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, validation_error
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks,
@@ -95,12 +95,13 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
     check_workers(gw.registry)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
-    prompt_ids = await tokenize(gw, request_id, req)
+    prompt_ids, images, embeddings_fp = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
     sampling.structured = structured
 
     n = req.n or 1
-    choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt)
+    choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt,
+                          images=images, embeddings_fingerprint=embeddings_fp)
     for c in choices:
         c.tool_parser = ToolCallParser(enabled=bool(req.tools) and req.tool_choice != "none")
     try:
@@ -286,10 +287,12 @@ def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_
 # --- mesh calls ----------------------------------------------------------------
 
 
-async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest) -> list[int]:
-    """The chat prompt's token ids from the tokenizer service (``api_common.encode_messages``)."""
+async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest
+                   ) -> tuple[list[int], list[list], str]:
+    """The chat prompt's token ids from the tokenizer service, its images' [offset, length, hash]
+    and their embeddings fingerprint (``api_common.encode_messages_images``)."""
     tools = [t.to_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
-    return await encode_messages(gw, request_id, [m.to_template() for m in req.messages], tools)
+    return await encode_messages_images(gw, request_id, [m.to_template() for m in req.messages], tools)
 
 
 # --- responses -------------------------------------------------------------------

@@ -43,6 +43,13 @@ class GatewayConfig:
     redis_url: str | None = None
     routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (router.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (admission.py)
+    # images (vision-language models, images.py): the largest image accepted (data: URL after base64,
+    # or fetched; within NATS's default 1 MiB max_payload), how long a remote image_url may take,
+    # how many images one request may carry, how long the vision service may take for them
+    max_image_bytes: int = 768 << 10
+    image_fetch_timeout_s: float = 10.0
+    max_images: int = 8
+    vision_timeout_s: float = 60.0
 
 
 @dataclass
@@ -52,6 +59,7 @@ class ModelInfo:
     max_model_len: int
     tokenizer: Decoder
     vocab_size: int | None = None  # None: token ids are not checked against it
+    takes_images: bool = False  # a vision-language model (config.json has a vision_config)
 
 
 def load_model(config: GatewayConfig) -> ModelInfo:
@@ -65,6 +73,7 @@ def load_model(config: GatewayConfig) -> ModelInfo:
         max_model_len=config.max_model_len or _max_model_len(hf_config),
         tokenizer=load_tokenizer(path),
         vocab_size=_vocab_size(hf_config),
+        takes_images=bool(hf_config.get("vision_config")),
     )
 
 

@@ -205,7 +205,8 @@ async def admit(choices: list[Choice], prompt_ids: list[int], sampling: Sampling
         predicted = gw.router.config.prefill_policy in ("predicted", "dynamo")
         first = choices[0].stream
         shape = await gw.router.shape(gw.kv_index() if predicted or gw.admission.config.needs_prediction else None,
-                                      prompt_ids, first.traffic_class, first.cache_salt, sampling.max_tokens)
+                                      prompt_ids, first.traffic_class, first.cache_salt, sampling.max_tokens,
+                                      images=first.images)
         for c in choices:
             plan = gw.router.plan(c.stream.request_id, shape)
             gw.admission.check(plan)
@@ -319,11 +320,13 @@ def http_error(e: StreamError) -> OpenAIError:
 
 
 def new_choices(gw: "Gateway", request_id: str, n: int, stop: list[str], traffic_class: str = "chat",
-                cache_salt: str | None = None) -> list[Choice]:
-    """``n`` choices of one request, not submitted yet."""
+                cache_salt: str | None = None, images: list[list] | None = None,
+                embeddings_fingerprint: str = "") -> list[Choice]:
+    """``n`` choices of one request, not submitted yet (images: the prompt's, ``EncodeChatReply.images``)."""
     return [
         Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
-                                gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt),
+                                gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt,
+                                images=images, embeddings_fingerprint=embeddings_fingerprint),
                OutputProcessor(gw.model.tokenizer, stop), gateway=gw)
         for i in range(n)
     ]

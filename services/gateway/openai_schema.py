@@ -29,14 +29,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None  # accepted, not used: the model's image processor fixes the resolution
+
+
 class ContentPart(_Strict):
+    """A ``text`` part, or an ``image_url`` part (vision-language models; ``gateway.images``)."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
+    def _known(self):
+        if self.type == "image_url":
+            if self.image_url is None:
+                raise ValueError("an 'image_url' content part needs an 'image_url' object with a 'url'")
+            return self
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text'")
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' and 'image_url'")
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' field")
         return self
@@ -72,7 +84,11 @@ class ChatMessage(_Strict):
 
     def to_template(self) -> dict:
         """The message as the tokenizer's chat template takes it (OpenAI's shape, text content)."""
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and any(p.type == "image_url" for p in self.content):
+            # images: the parts in order, for ``images.resolve_images`` then the template
+            text = [{"type": "image_url", "url": p.image_url.url} if p.type == "image_url"
+                    else {"type": "text", "text": p.text} for p in self.content]
+        elif isinstance(self.content, list):
             text = "\n".join(p.text or "" for p in self.content)
         else:
             text = self.content or ""

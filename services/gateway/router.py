@@ -175,16 +175,17 @@ class Router:
         return None
 
     async def shape(self, index, prompt_ids: list[int], traffic_class: str = "chat",
-                    cache_salt: str | None = None, max_tokens: int = 16) -> PromptShape:
+                    cache_salt: str | None = None, max_tokens: int = 16, images=()) -> PromptShape:
         """The request's shape; ``index`` (a ``KVIndexClient``, or None: no lookup) gives the
-        stored prefix, counted as prefill does (the last prompt token is always computed)."""
+        stored prefix, counted as prefill does (the last prompt token is always computed);
+        images: the prompt's [offset, length, content hash], keys of the blocks they overlap."""
         shape = PromptShape(num_tokens=len(prompt_ids), max_tokens=max_tokens)
         params = self.hash_params() if index is not None else None
         if params is None:
             return shape
         fingerprint, bs = params
         hashes = block_hashes(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], bs, fingerprint,
-                              (cache_salt or "").encode())
+                              (cache_salt or "").encode(), [tuple(i) for i in images or ()])
         if hashes:
             # num_tokens=0: the index keeps hit statistics for the workers' lookups, not for ours
             shape.stored_blocks = await index.lookup(hashes, traffic_class, num_tokens=0)

@@ -129,10 +129,14 @@ class RequestStream:
         clock: Callable[[], float] = time.monotonic,
         traffic_class: str = "chat",
         cache_salt: str | None = None,
+        images: list[list] | None = None,
+        embeddings_fingerprint: str = "",
     ):
         self.mesh = mesh
         self.traffic_class = traffic_class
         self.cache_salt = cache_salt
+        self.images = list(images or [])  # the prompt's [offset, length, content hash] per image
+        self.embeddings_fingerprint = embeddings_fingerprint
         self.registry = registry
         self.request_id = request_id
         self.timeouts = timeouts or StreamTimeouts()
@@ -163,7 +167,8 @@ class RequestStream:
         subject = subjects.stream(self.request_id)
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
         req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt,
-                             decode_worker=plan.decode_worker if plan is not None else None)
+                             decode_worker=plan.decode_worker if plan is not None else None,
+                             images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         try:
             reply = await submit_prefill(self.mesh, req, plan, self.timeouts.submit_s)
         except NoResponders:
@@ -375,7 +380,8 @@ class RequestStream:
 
     async def _redispatch_prefill(self, target: str | None) -> SubmitReply:
         req = PrefillRequest(self.request_id, self.prompt_token_ids, self.sampling, subjects.stream(self.request_id),
-                             self.traffic_class, self.cache_salt, attempt=100 + self.failovers)
+                             self.traffic_class, self.cache_salt, attempt=100 + self.failovers,
+                             images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         subject = subjects.prefill_submit(target) if target else subjects.PREFILL_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 
@@ -385,13 +391,14 @@ class RequestStream:
         if info is None or not info.fingerprint:  # no target (queue group): any worker's parameters
             info = next((i.report for i in self.registry.alive("decode") if i.report.fingerprint), info)
         fingerprint, bs = (info.fingerprint, info.block_size) if info is not None else ("", 0)
-        keys = (block_hashes(self.prompt_token_ids, bs, fingerprint, (self.cache_salt or "").encode())
+        keys = (block_hashes(self.prompt_token_ids, bs, fingerprint, (self.cache_salt or "").encode(),
+                             [tuple(i) for i in self.images])
                 if fingerprint and bs > 0 else [])
         req = DecodeRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             output_token_ids=list(self.output_token_ids), sampling=self.sampling,
             stream_subject=subjects.stream(self.request_id), kv_block_keys=keys, num_kv_tokens=len(keys) * bs,
-            block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt,
+            block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt, images=self.images,
         )
         subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)

@@ -82,6 +82,7 @@ class PrefillService(EngineWorker):
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
         self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
         self.queued_at: dict[str, float] = {}  # request id -> perf_counter when the engine got it
+        self._embedding_stores: dict = {}  # embeddings fingerprint -> BlockStore (image embeddings)
 
     async def setup(self) -> None:
         self.start_engine()
@@ -127,9 +128,10 @@ class PrefillService(EngineWorker):
             return
         self.queued_at[req.request_id] = time.perf_counter()
         try:
+            embeds = await self.load_image_embeddings(req) if req.images else None
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                cache_salt=req.cache_salt,
+                cache_salt=req.cache_salt, **({"images": req.images, "image_embeds": embeds} if req.images else {}),
             )
         except Exception as e:  # checked in on_submit: an engine failure
             self.requests.pop(req.request_id, None)
@@ -171,9 +173,33 @@ class PrefillService(EngineWorker):
 
     # --- helpers ---------------------------------------------------------------
     def prompt_hashes(self, req: PrefillRequest) -> list[str]:
-        """Chained hashes of the prompt's full blocks (the engine's own chain, with the salt)."""
+        """Chained hashes of the prompt's full blocks (the engine's own chain, with the salt and
+        the images' content hashes)."""
         return block_hashes(req.prompt_token_ids, self.engine.config.block_size, self.engine.fingerprint,
-                            (req.cache_salt or "").encode())
+                            (req.cache_salt or "").encode(), [tuple(i) for i in req.images])
+
+    async def load_image_embeddings(self, req: PrefillRequest) -> list[torch.Tensor]:
+        """Each image's embeddings [length, hidden] from the storage tier, where the vision service
+        wrote them (``req.embeddings_fingerprint``). Raises RuntimeError when one is missing or
+        does not fit its placeholder run (the request then fails with that error)."""
+        from deepinfer.kvstore.store import BlockStore
+
+        if not req.embeddings_fingerprint:
+            raise RuntimeError("a prompt with images came without its embeddings fingerprint")
+        stores = self._embedding_stores
+        store = stores.get(req.embeddings_fingerprint)
+        if store is None:
+            store = stores[req.embeddings_fingerprint] = BlockStore(self.store.root, req.embeddings_fingerprint)
+        loop = asyncio.get_running_loop()
+        out = []
+        for offset, length, h in req.images:
+            e = await loop.run_in_executor(self.io, store.get, h, "embeddings")
+            if e is None:
+                raise RuntimeError(f"image {h[:12]}: embeddings missing from the storage tier")
+            if e.dim() != 2 or e.shape[0] != length:
+                raise RuntimeError(f"image {h[:12]}: embeddings {list(e.shape)} for {length} placeholders")
+            out.append(e)
+        return out
 
     async def load_stored_prefix(self, req: PrefillRequest) -> int:
         """Load the longest stored prefix not cached here yet into the engine's prefix cache.
@@ -268,6 +294,7 @@ class PrefillService(EngineWorker):
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
                 traffic_class=req.traffic_class, cache_salt=req.cache_salt, window_block_keys=window_keys,
                 num_exact_blocks=out.num_exact_blocks if out.num_exact_blocks < len(keys) else -1,
+                images=req.images,
             )
             with tracer().start_as_current_span("prefill.handoff") as span:
                 reply = await self.hand_off(req, handoff)
@@ -319,7 +346,7 @@ class PrefillService(EngineWorker):
         blocks now in the tier). A failed write is skipped (decode then recomputes)."""
         bs, layout = self.engine.config.block_size, self.engine.kv_layout
         full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint,
-                            (req.cache_salt or "").encode())[: out.num_exact_blocks]
+                            (req.cache_salt or "").encode(), [tuple(i) for i in req.images])[: out.num_exact_blocks]
         handoff = out.finish_reason == "handoff"
         keys, window_keys, stored = [], [], []
         for i in range(out.kv_blocks.shape[0]):

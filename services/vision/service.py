@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     import os
 
     p = service_parser("vision", "Image decoding and the vision encoder; embeddings cached by content hash")
-    p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
+    default_root = os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore"))
+    p.add_argument("--kv-root", default=default_root,
                    help="the storage tier's root, shared with prefill (env DEEPINFER_KV_ROOT)")
     p.add_argument("--dtype", default=os.environ.get("DEEPINFER_DTYPE", "float32"), help="vision tower dtype")
     p.add_argument("--device", default="cpu")

@@ -1,0 +1,133 @@
+"""Images in chat requests (vision-language models, issue #11).
+
+The APIs' image parts reach ``resolve_images`` as template parts ``{"type": "image_url", "url"}``
+(OpenAI ``image_url`` parts; Anthropic base64 image blocks become ``data:`` URLs). For each one:
+
+  * ``data:<media type>;base64,<data>``: base64-decoded (strictly: bad padding or characters are a 400);
+  * ``http(s)://``: fetched with httpx (``image_fetch_timeout_s``, redirects followed, the body read
+    only up to ``max_image_bytes``); unreachable, an HTTP error or too large is a 400;
+  * anything else, or more than ``max_images`` images: a 400.
+
+The bytes then go to the vision service (``deepinfer.vision.encode``, one request per image so
+each stays within NATS's default 1 MiB max_payload and replicas share the work), which validates
+and decodes them (a bad image is its ``bad_request``: our 400 with its message), stores their
+embeddings and replies with each image's content hash; the parts become
+``{"type": "image", "image_hash"}`` for the tokenizer. A text-only model refuses image parts (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+
+from deepinfer.gateway.errors import bad_request, internal, unavailable
+from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
+from deepinfer.protocol import ProtocolError, VisionEncodeReply, VisionEncodeRequest, subjects
+from deepinfer.telemetry import tracer
+
+_DATA_URL = re.compile(r"^data:([\w.+/-]*)((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.ASCII)
+
+
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
+               for m in messages)
+
+
+def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
+    m = _DATA_URL.match(url)
+    if m is None or not m.group(3):
+        raise bad_request("image_url: a data: URL must be base64 (data:image/png;base64,...)", param=param)
+    data = url[m.end():]
+    if len(data) > (max_bytes + 2) // 3 * 4 + 4:
+        raise bad_request(f"image too large: over {max_bytes} bytes", param=param, code="image_too_large")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("image_url: the data: URL is not valid base64", param=param) from None
+    if len(raw) > max_bytes:
+        raise bad_request(f"image too large: {len(raw)} bytes (limit {max_bytes})", param=param,
+                          code="image_too_large")
+    return raw
+
+
+async def fetch(url: str, max_bytes: int, timeout_s: float, param: str) -> bytes:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
+            async with client.stream("GET", url) as r:
+                if r.status_code != 200:
+                    raise bad_request(f"could not fetch image_url: HTTP {r.status_code}", param=param,
+                                      code="image_fetch_failed")
+                length = r.headers.get("content-length")
+                if length and length.isdigit() and int(length) > max_bytes:
+                    raise bad_request(f"image too large: {length} bytes (limit {max_bytes})", param=param,
+                                      code="image_too_large")
+                body = bytearray()
+                async for piece in r.aiter_bytes():
+                    body += piece
+                    if len(body) > max_bytes:
+                        raise bad_request(f"image too large: over {max_bytes} bytes", param=param,
+                                          code="image_too_large")
+                return bytes(body)
+    except httpx.HTTPError as e:
+        raise bad_request(f"could not fetch image_url: {type(e).__name__}: {e or 'unreachable'}", param=param,
+                          code="image_fetch_failed") from None
+
+
+async def image_bytes(url, gw, param: str) -> bytes:
+    if not isinstance(url, str) or not url:
+        raise bad_request("image_url.url must be a non-empty string", param=param)
+    cfg = gw.config
+    if url.startswith("data:"):
+        return decode_data_url(url, cfg.max_image_bytes, param)
+    if url.startswith(("http://", "https://")):
+        return await fetch(url, cfg.max_image_bytes, cfg.image_fetch_timeout_s, param)
+    raise bad_request("image_url.url must be a data: URL or an http(s) URL", param=param)
+
+
+async def encode_one(gw, request_id: str, data: bytes, param: str) -> VisionEncodeReply:
+    timeout = gw.config.vision_timeout_s
+    try:
+        return await gw.mesh.request(subjects.VISION_ENCODE, VisionEncodeRequest(request_id, [data]),
+                                     timeout=timeout, expect=VisionEncodeReply)
+    except NoResponders:
+        raise unavailable("no vision worker is running") from None
+    except RequestTimeout:
+        raise unavailable(f"the vision service did not answer within {timeout:.0f}s", code="timeout") from None
+    except RemoteError as e:
+        if e.kind == "bad_request":
+            raise bad_request(str(e).replace("image 0: ", ""), param=param, code="invalid_image") from None
+        raise internal(f"vision service failed: {e}") from None
+    except ProtocolError as e:
+        raise internal(f"bad reply from the vision service: {e}") from None
+
+
+async def resolve_images(gw, request_id: str, messages: list[dict], param: str = "messages"
+                         ) -> tuple[list[dict], str]:
+    """``messages`` with each ``{"type": "image_url", "url"}`` part replaced by ``{"type": "image",
+    "image_hash"}`` (the images fetched or decoded, then encoded by the vision service), and the
+    embeddings fingerprint ("" when there are no images). Raises 400 / 503 / 500 ``OpenAIError``."""
+    where = [(i, j) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+             for j, p in enumerate(m["content"]) if p.get("type") == "image_url"]
+    if not where:
+        return messages, ""
+    if not gw.model.takes_images:
+        raise bad_request(f"model {gw.model.served_name} is a text-only model: it does not take image inputs",
+                          param=f"{param}[{where[0][0]}].content[{where[0][1]}]", code="images_not_supported")
+    if len(where) > gw.config.max_images:
+        raise bad_request(f"too many images: {len(where)} (limit {gw.config.max_images})", param=param)
+    with tracer().start_as_current_span("gateway.images") as span:
+        span.set_attribute("deepinfer.images", len(where))
+        blobs = await asyncio.gather(*(image_bytes(messages[i]["content"][j].get("url"), gw,
+                                                   f"{param}[{i}].content[{j}]") for i, j in where))
+        replies = await asyncio.gather(*(encode_one(gw, request_id, b, f"{param}[{i}].content[{j}]")
+                                         for (i, j), b in zip(where, blobs)))
+    out = [dict(m) for m in messages]
+    for (i, j), rep in zip(where, replies):
+        if out[i]["content"] is messages[i]["content"]:
+            out[i]["content"] = list(messages[i]["content"])
+        out[i]["content"][j] = {"type": "image", "image_hash": rep.image_hashes[0]}
+    return out, replies[0].embeddings_fingerprint

@@ -1,0 +1,119 @@
+"""The whole mesh on the tiny LLaVA with a vision worker (``deepinfer up``'s launcher adds it for a
+vision-language model): a chat request with an image gives transformers' greedy tokens and
+logprobs; a repeated image is encoded once (the vision worker's load report) and its prompt's
+blocks are a prefix-cache hit; the same text with another image is no hit and another answer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deepinfer.launcher import Mesh
+from deepinfer.mesh import MeshClient
+from deepinfer.models.tiny_vlm import make_tiny_llava
+from deepinfer.protocol import LoadReport, subjects
+
+N = 8
+
+
+def picture(seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+
+
+def data_url(img):
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+TEXT = "What do you see in this picture? Answer briefly."
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = make_tiny_llava(tmp_path_factory.mktemp("llava"))
+    return path, LlavaForConditionalGeneration.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def vlm_mesh(llava, tmp_path_factory):
+    m = Mesh(model=str(llava[0]), workdir=tmp_path_factory.mktemp("vlm-mesh"))
+    m.start(timeout=300)
+    yield m
+    m.stop()
+
+
+def ask(client, img):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, max_tokens=N, temperature=0, logprobs=True,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(img)}},
+                                               {"type": "text", "text": TEXT}]}],
+        extra_body={"return_token_ids": True, "ignore_eos": True}).to_dict()
+
+
+def reference(llava, img):
+    _, hf, proc = llava
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
+    x = proc(images=[img], text=proc.apply_chat_template(chat, add_generation_prompt=True), return_tensors="pt")
+    with torch.inference_mode():
+        out = hf.generate(**x, max_new_tokens=N, min_new_tokens=N, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+    ids = x["input_ids"][0].tolist()
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, tokens)]
+    return ids, tokens, logprobs
+
+
+async def vision_report(nats_url) -> LoadReport:
+    client = await MeshClient.connect(nats_url, name="vision-report-reader")
+    got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def on(msg):
+        from deepinfer.protocol import unpack
+
+        report = unpack(msg.data)
+        if report.role == "vision" and not got.done():
+            got.set_result(report)
+
+    await client.nc.subscribe(subjects.LOAD_ALL, cb=on)
+    try:
+        return await asyncio.wait_for(got, 10)
+    finally:
+        await client.close()
+
+
+def test_images_through_the_mesh(vlm_mesh, llava):
+    import openai
+
+    assert "vision" in vlm_mesh.services
+    client = openai.OpenAI(base_url=vlm_mesh.gateway_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    a, b = picture(1), picture(2)
+    ref_ids, ref_tokens, ref_logprobs = reference(llava, a)
+
+    first = ask(client, a)
+    assert first["prompt_token_ids"] == ref_ids
+    assert first["choices"][0]["token_ids"] == ref_tokens
+    got = [e["logprob"] for e in first["choices"][0]["logprobs"]["content"]]
+    assert np.allclose(got, ref_logprobs, atol=1e-4, rtol=0), (got, ref_logprobs)
+
+    image_at = ref_ids.index(llava[2].tokenizer.convert_tokens_to_ids("<image>"))
+    again = ask(client, a)  # same image: embedding cache hit, prefix-cache hit past the image
+    assert again["choices"][0]["token_ids"] == ref_tokens
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > image_at + 16
+
+    other = ask(client, b)  # same text, other image: no false hit, another answer
+    _, ref_b, _ = reference(llava, b)
+    assert other["choices"][0]["token_ids"] == ref_b != ref_tokens
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] <= image_at
+
+    report = asyncio.run(vision_report(vlm_mesh.nats_url))
+    assert report.vision_forwards == 2 and report.vision_images == 2 and report.vision_cache_hits == 1
