@@ -109,3 +109,29 @@ def test_bad_image_arguments(setup):
         engine.add_request("x", ids, sp, images=[(len(ids) - 2, 16, "a" * 64)])
     with pytest.raises(RequestError, match="do not match"):
         engine.add_request("y", ids, sp, images=[(3, 16, "a" * 64)], image_embeds=[torch.zeros(15, 64)])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_image_rows_without_embeddings_fail_that_request_alone(setup, async_scheduling):
+    """A request whose image rows would have to be computed without their embeddings (a decode
+    worker recomputing a preempted multimodal prompt) ends with "error"; the step's other
+    requests go on."""
+    path, hf, proc = setup
+    engine = LLMEngine(path, EngineConfig(block_size=BLOCK, kv_cache_bytes=4 << 20,
+                                          async_scheduling=async_scheduling))
+    x = prompt(proc, 1)
+    ids = x["input_ids"][0].tolist()
+    images = images_of(ids, engine.model.image_token_id, 16, ["c" * 64])
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("no-embeds", ids, sp, images=images)  # hashed only, as on a decode worker
+    engine.add_request("text", ids[:10], sp)
+    finish, tokens = {}, {"no-embeds": [], "text": []}
+    step = engine.step_async if async_scheduling else engine.step
+    while engine.has_unfinished():
+        for o in step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finish_reason:
+                finish[o.request_id] = o.finish_reason
+    assert finish == {"no-embeds": "error", "text": "length"}
+    assert tokens["no-embeds"] == [] and len(tokens["text"]) == 4
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked

@@ -240,6 +240,7 @@ class LLMEngine:
         self._forward_end: float | None = None
         self._inflight: tuple[_Step, Future] | None = None
         self._launched: deque[_Step] = deque()  # launched, not finished (for queued_prefill)
+        self._failed: list[StepOutput] = []  # requests ended at scheduling, returned with the next outputs
         self._pool: ThreadPoolExecutor | None = None
         if config.calibrate:
             self.calibrate()
@@ -443,7 +444,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         step = self._launch(can_preempt=True)
         if step is None:
-            return []
+            return self._take_failed()
         try:
             result = self._execute(step)
         except BaseException:
@@ -467,7 +468,7 @@ class LLMEngine:
         if self._inflight is None:
             if nxt is not None:
                 self._inflight = (nxt, self._forward_pool().submit(self._execute, nxt))
-            return []
+            return self._take_failed()
         return self._collect(nxt)
 
     def _collect(self, nxt: "_Step | None") -> list[StepOutput]:
@@ -493,7 +494,7 @@ class LLMEngine:
 
     def _launch(self, can_preempt: bool) -> "_Step | None":
         """Schedule the next step, build its inputs and advance its sequences."""
-        seqs = self.scheduler.schedule(can_preempt)
+        seqs = self._drop_unrecomputable(self.scheduler.schedule(can_preempt))
         if not seqs:
             self._forward_end = None  # idle: the next gap is not an inter-step gap
             return None
@@ -510,6 +511,27 @@ class LLMEngine:
         step = _Step(seqs, inputs, pieces, sampling)
         self._launched.append(step)
         return step
+
+    def _drop_unrecomputable(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` less those that would feed image placeholder rows without the images'
+        embeddings (a decode worker imports a multimodal prompt's KV without them; if
+        preemption drops that KV it cannot recompute it): each of those ends alone with
+        "error" (its output comes with the next step's) instead of failing the step."""
+        keep = []
+        for s in seqs:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+            if s.images and s.image_embeds is None and any(max(start, o) < min(end, o + n) for o, n, _ in s.images):
+                self.scheduler.abort(s.request_id)
+                s.finish_reason = "error"
+                self._failed.append(StepOutput(s.request_id, [], "error", s.num_prompt_tokens))
+                log.error("image_rows_without_embeddings", request_id=s.request_id)
+            else:
+                keep.append(s)
+        return keep
+
+    def _take_failed(self) -> list[StepOutput]:
+        failed, self._failed = self._failed, []
+        return failed
 
     def _take_window_restores(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         """The SWA state cache's blocks for the window blocks newly admitted sequences
@@ -609,7 +631,7 @@ class LLMEngine:
                 self.block_manager.free(seq)
                 self.generators.pop(seq.request_id, None)
         self._forget_launched(step)
-        return outputs
+        return self._take_failed() + outputs
 
     def _advance_matchers(self, seqs: list[Sequence]) -> None:
         """Structured output, after ``scheduler.update``: each running sequence's matcher consumes
