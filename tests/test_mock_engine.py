@@ -307,7 +307,10 @@ def test_mock_workers_report_their_engine_cost_model_and_work(mock_mesh):
     assert sorted(reports) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     for r in reports.values():
         assert r.engine == "mock" and r.interval_s == 0.5 and r.block_size == 16
-        assert r.kv_tokens_capacity > 0 and r.cost_a > 0 and min(r.cost_b, r.cost_d, r.cost_e) >= 0  # refitted online
+        # the engine's cost model, refitted online (its non-negative fit may pin a at 0 when other
+        # processes make the step times noisy: seen once in a CI run shared with a mesh)
+        assert r.kv_tokens_capacity > 0 and min(r.cost_a, r.cost_b, r.cost_d, r.cost_e) >= 0
+        assert r.cost_a + r.cost_b > 0
         assert r.queued_prefill_tokens == 0 and r.active_requests == 0  # all served
     assert all(r.steps > 0 for r in reports.values()), {w: r.steps for w, r in reports.items()}
     assert sum(r.prefix_queried_tokens for w, r in reports.items() if w.startswith("prefill")) > 0
