@@ -307,10 +307,11 @@ def test_mock_workers_report_their_engine_cost_model_and_work(mock_mesh):
     assert sorted(reports) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     for r in reports.values():
         assert r.engine == "mock" and r.interval_s == 0.5 and r.block_size == 16
-        # the engine's cost model, refitted online (its non-negative fit may pin a at 0 when other
-        # processes make the step times noisy: seen once in a CI run shared with a mesh)
+        # the engine's cost model, refitted online: non-negative, not all zero (which terms carry the
+        # time varies: a prefill worker's chunks at context 0 make the per-token and per-key terms
+        # collinear, and the non-negative fit has given a = b = 0 with d, e > 0)
         assert r.kv_tokens_capacity > 0 and min(r.cost_a, r.cost_b, r.cost_d, r.cost_e) >= 0
-        assert r.cost_a + r.cost_b > 0
+        assert max(r.cost_a, r.cost_b, r.cost_d, r.cost_e) > 0
         assert r.queued_prefill_tokens == 0 and r.active_requests == 0  # all served
     assert all(r.steps > 0 for r in reports.values()), {w: r.steps for w, r in reports.items()}
     assert sum(r.prefix_queried_tokens for w, r in reports.items() if w.startswith("prefill")) > 0
