@@ -117,3 +117,96 @@ def test_images_through_the_mesh(vlm_mesh, llava):
 
     report = asyncio.run(vision_report(vlm_mesh.nats_url))
     assert report.vision_forwards == 2 and report.vision_images == 2 and report.vision_cache_hits == 1
+
+
+# --- decode failover of image requests (issue #11 review, item 1) -----------------------------
+FAST_START = ["--no-calibrate", "--kv-cache-gb", "0.1"]
+BLOCK = 16  # the workers' default --block-size
+
+
+def failover_requests(llava, salt: str, max_tokens: int) -> list[dict]:
+    """Streaming chat requests, each with its own picture. The first puts the image first (the
+    prompt's full blocks, stored by prefill, cover its rows); the others put it last, with text
+    padded so its rows run into the prompt's partial last block, which a resumed decode worker must
+    recompute (from the image's embeddings in the storage tier). One request is seeded sampling."""
+    _, _, proc = llava
+    reqs = []
+    for i in range(6):
+        img, image_last = picture(20 + i), i > 0
+        for pad in range(BLOCK):
+            text = f"Story {i}: describe this picture in detail" + " please" * pad
+            parts = [{"type": "image_url", "image_url": {"url": data_url(img)}}, {"type": "text", "text": text}]
+            chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            if image_last:
+                parts, chat[0]["content"] = parts[::-1], chat[0]["content"][::-1]
+            ids = proc(images=[img], text=proc.apply_chat_template(chat, add_generation_prompt=True),
+                       return_tensors="pt")["input_ids"][0].tolist()
+            image_end = max(j for j, t in enumerate(ids) if t == proc.tokenizer.convert_tokens_to_ids("<image>")) + 1
+            covered = len(ids) // BLOCK * BLOCK
+            if (image_end > covered) == image_last:  # image last: some image rows past the full blocks
+                break
+        else:
+            raise AssertionError("no padding gives the wanted layout")
+        kw = dict(messages=[{"role": "user", "content": parts}], max_tokens=max_tokens,
+                  extra_body={"ignore_eos": True, "cache_salt": salt, "return_token_ids": True})
+        kw.update(temperature=0.8, seed=77) if i == 3 else kw.update(temperature=0)
+        reqs.append(kw)
+    return reqs
+
+
+def test_decode_worker_killed_mid_stream_image_requests_resume_with_the_same_tokens(make_mesh, llava):
+    import openai
+
+    from test_failover import Reports, log_count, process, until
+
+    # two requests at a time per decode worker: the others wait there, so streams are still under way
+    # (or waiting for a decode slot) when one worker is killed
+    m = make_mesh(model=str(llava[0]), replicas={"decode": 2},
+                  extra_args={"prefill": FAST_START, "decode": [*FAST_START, "--max-num-seqs", "2"]})
+    max_tokens = 400
+    model = llava[0].name
+
+    async def streams(reqs, on_token=None):
+        client = openai.AsyncOpenAI(base_url=m.gateway_url + "/v1", api_key="x", max_retries=0, timeout=180)
+
+        async def one(i):
+            tokens = []
+            async for chunk in await client.chat.completions.create(model=model, stream=True, **reqs[i]):
+                if chunk.choices:
+                    tokens += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+                    if on_token:
+                        on_token(i, len(tokens))
+            return tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(reqs))), return_exceptions=True)
+        finally:
+            await client.close()
+
+    async def scenario():
+        reference = await streams(failover_requests(llava, "reference", max_tokens))
+        assert all(isinstance(t, list) and len(t) == max_tokens for t in reference), reference
+        reports = await Reports().start(m)
+        counts = {}
+        run = asyncio.ensure_future(streams(failover_requests(llava, "failover", max_tokens),
+                                            lambda i, n: counts.__setitem__(i, n)))
+        await until(lambda: max(counts.values(), default=0) >= 40 or run.done(), 120, "streams to be under way")
+        victim = await reports.busiest("decode", busy=True)
+        assert not run.done(), "the streams finished before the kill: lengthen them"
+        await asyncio.to_thread(process(m, victim.worker_id).kill)
+        got = await run
+        await reports.close()
+        return reference, got, victim
+
+    reference, got, victim = asyncio.run(scenario())
+    errors = [g for g in got if isinstance(g, BaseException)]
+    assert not errors, errors
+    assert got == reference  # greedy and seeded, resumed or not: the uninterrupted tokens
+    survivor = next(p.name for p in m.processes["decode"] if p.name != victim.worker_id)
+    resumed = log_count(m, "gateway-0", "failover_done")
+    log = process(m, survivor).log_path.read_text()
+    print(f"\nkilled {victim.worker_id} ({victim.active_requests + victim.waiting_requests} requests); "
+          f"{resumed} streams resumed on {survivor}")
+    assert resumed >= 1
+    assert log.count('"kv_prefix_loaded"') >= 1  # the prompt's stored blocks (image hashes in their keys)
+    assert log.count('"image_embeddings": true') >= 1  # image rows recomputed from the tier's embeddings

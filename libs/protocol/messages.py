@@ -213,9 +213,11 @@ class DecodeRequest:
     cache_salt: str | None = None
     window_block_keys: list[str] = field(default_factory=list)
     num_exact_blocks: int = -1
-    # [offset, length, content hash] per image of the prompt: hashed into its blocks (no embeddings:
-    # the KV carries them; a decode worker that would have to recompute such a prompt fails it)
+    # [offset, length, content hash] per image of the prompt: hashed into its blocks; where the
+    # vision service put their embeddings (``PrefillRequest.embeddings_fingerprint``): a decode worker
+    # that recomputes part of the prompt (a resume) reads them from the storage tier
     images: list[list] = field(default_factory=list)
+    embeddings_fingerprint: str = ""
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 

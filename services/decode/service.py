@@ -16,9 +16,13 @@ Lifecycle of a request in this service:
      are imported as is (blocks past ``num_exact_blocks``, computed after a
      bounded replay on prefill, stay out of the prefix cache). Otherwise the
      request is recomputed here from its tokens, but only what is missing: the
-     leading full blocks read (keyed by their prefix hash) go into the engine's
-     prefix cache first, so the recompute hits them (a miss, never an error;
-     hybrid models then restore or replay the window state, TECHNIQUES §5).
+     leading full blocks read (keyed by their prefix hash, images' content hashes
+     included) go into the engine's prefix cache first, so the recompute hits them
+     (a miss, never an error; hybrid models then restore or replay the window
+     state, TECHNIQUES §5). A prompt with images recomputed so also gets its
+     images' embeddings from the storage tier (``embeddings_fingerprint``, where
+     the vision service wrote them), for image rows the blocks do not cover;
+     without them the submit is refused.
   3. The engine copies imported blocks into its paged KV cache at the next step
      boundary; the request joins ``running`` and an empty ``TokenChunk``
      announces this worker on the stream (so the gateway watches it).
@@ -43,6 +47,7 @@ from opentelemetry.trace import StatusCode
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
+from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.protocol import AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger, tracer
@@ -60,6 +65,7 @@ class DecodeService(EngineWorker):
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.start_engine()
+        self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
                                                      queue=subjects.DECODE_GROUP, span_name="decode.submit"))
         await self.mesh.subscribe(subjects.decode_submit(self.worker_id), self.on_submit, span_name="decode.submit")
@@ -80,19 +86,20 @@ class DecodeService(EngineWorker):
             span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
                                  "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
                                  "deepinfer.kv.complete": complete})
-        if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
-            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         whole = complete and req.num_kv_tokens == num_tokens - 1 and len(kv) * bs >= req.num_kv_tokens
+        embeds = None  # a recompute of a prompt with images may reach image rows: their embeddings
+        if req.images and not whole:
+            embeds = await asyncio.get_running_loop().run_in_executor(self.io, self.read_embeddings, req)
+        if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         # the request's time in the engine, until its last token (``on_outputs``) or an abort
         self.spans[req.request_id] = tracer().start_span("decode.generate", attributes={
             "deepinfer.request_id": req.request_id, "deepinfer.kv.imported": whole})
         try:
-            if req.images and not whole:
-                # the images' embeddings live with prefill/vision: decode cannot recompute their rows
-                raise RequestError("a prompt with images needs all its KV from the storage tier "
-                                   "(decode cannot recompute image positions)")
+            if isinstance(embeds, str):
+                raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens)
             await self.async_engine.add_request(
@@ -100,7 +107,7 @@ class DecodeService(EngineWorker):
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
                 num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
                 num_exact_tokens=req.num_exact_blocks * bs if whole and req.num_exact_blocks >= 0 else None,
-                **({"images": req.images} if req.images else {}),
+                **({"images": req.images, "image_embeds": embeds} if req.images else {}),
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
@@ -110,7 +117,8 @@ class DecodeService(EngineWorker):
             self.requests.pop(req.request_id, None)
             self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
             raise
-        log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole)
+        log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole,
+                 image_embeddings=embeds is not None)
         await self.mesh.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
@@ -192,6 +200,14 @@ class DecodeService(EngineWorker):
         if eph:
             self.store.delete(key, EPHEMERAL)
         return block if block is not None and tuple(block.shape) == shape else None
+
+    def read_embeddings(self, req: DecodeRequest) -> list[torch.Tensor] | str:
+        """The prompt's images' embeddings from the storage tier (``EmbeddingsReader``), or why not."""
+        try:
+            return self.embeddings.read(req.embeddings_fingerprint, req.images)
+        except RuntimeError as e:
+            log.warning("image_embeddings_unavailable", request_id=req.request_id, error=str(e))
+            return str(e)
 
     async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int) -> int:
         """Put the leading full blocks of ``kv`` (keyed by their prefix hash) into the engine's

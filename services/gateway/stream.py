@@ -37,7 +37,9 @@ that reports it could not hand off, triggers a failover (``_failover``):
     chunks from any other worker (a handoff that raced the resume) are dropped
     and that worker aborted. A seeded sampler replays its draws for the given
     tokens (``LLMEngine.add_request``), so greedy and seeded outputs continue
-    exactly.
+    exactly. A prompt with images carries their content hashes (in the block
+    keys) and embeddings fingerprint: decode reads the images' embeddings from
+    the storage tier to recompute any image rows the stored blocks miss.
 
 At most ``max_failovers`` submits per request (a refused or unanswered one
 counts); then, or when no worker of the role is left, ``StreamError`` (HTTP
@@ -399,6 +401,7 @@ class RequestStream:
             output_token_ids=list(self.output_token_ids), sampling=self.sampling,
             stream_subject=subjects.stream(self.request_id), kv_block_keys=keys, num_kv_tokens=len(keys) * bs,
             block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt, images=self.images,
+            embeddings_fingerprint=self.embeddings_fingerprint,
         )
         subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)

@@ -57,6 +57,7 @@ from opentelemetry import context as otel_context
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephemeral_key
+from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
 from deepinfer.protocol import (AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, TokenChunk,
@@ -82,12 +83,12 @@ class PrefillService(EngineWorker):
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
         self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
         self.queued_at: dict[str, float] = {}  # request id -> perf_counter when the engine got it
-        self._embedding_stores: dict = {}  # embeddings fingerprint -> BlockStore (image embeddings)
 
     async def setup(self) -> None:
         self.start_engine()
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
         self.async_store = AsyncBlockStore(self.store, io_threads=2)
+        self.embeddings = EmbeddingsReader(self.store.root)  # image embeddings (vision-language models)
         self.num_loaded_blocks = 0  # blocks read from the storage tier into the engine
         # the queue group is this worker's intake: drained first on SIGTERM, so new work goes elsewhere
         self.intake.append(await self.mesh.subscribe(subjects.PREFILL_SUBMIT, self.on_submit,
@@ -179,27 +180,11 @@ class PrefillService(EngineWorker):
                             (req.cache_salt or "").encode(), [tuple(i) for i in req.images])
 
     async def load_image_embeddings(self, req: PrefillRequest) -> list[torch.Tensor]:
-        """Each image's embeddings [length, hidden] from the storage tier, where the vision service
-        wrote them (``req.embeddings_fingerprint``). Raises RuntimeError when one is missing or
-        does not fit its placeholder run (the request then fails with that error)."""
-        from deepinfer.kvstore.store import BlockStore
-
-        if not req.embeddings_fingerprint:
-            raise RuntimeError("a prompt with images came without its embeddings fingerprint")
-        stores = self._embedding_stores
-        store = stores.get(req.embeddings_fingerprint)
-        if store is None:
-            store = stores[req.embeddings_fingerprint] = BlockStore(self.store.root, req.embeddings_fingerprint)
-        loop = asyncio.get_running_loop()
-        out = []
-        for offset, length, h in req.images:
-            e = await loop.run_in_executor(self.io, store.get, h, "embeddings")
-            if e is None:
-                raise RuntimeError(f"image {h[:12]}: embeddings missing from the storage tier")
-            if e.dim() != 2 or e.shape[0] != length:
-                raise RuntimeError(f"image {h[:12]}: embeddings {list(e.shape)} for {length} placeholders")
-            out.append(e)
-        return out
+        """Each image's embeddings from the storage tier, where the vision service wrote them
+        (``EmbeddingsReader``). Raises RuntimeError when one is missing, damaged or does not fit
+        its placeholder run (the request then fails with that error)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.io, self.embeddings.read, req.embeddings_fingerprint, req.images)
 
     async def load_stored_prefix(self, req: PrefillRequest) -> int:
         """Load the longest stored prefix not cached here yet into the engine's prefix cache.
@@ -294,7 +279,7 @@ class PrefillService(EngineWorker):
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
                 traffic_class=req.traffic_class, cache_salt=req.cache_salt, window_block_keys=window_keys,
                 num_exact_blocks=out.num_exact_blocks if out.num_exact_blocks < len(keys) else -1,
-                images=req.images,
+                images=req.images, embeddings_fingerprint=req.embeddings_fingerprint,
             )
             with tracer().start_as_current_span("prefill.handoff") as span:
                 reply = await self.hand_off(req, handoff)
