@@ -27,9 +27,10 @@ from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
 from deepinfer.gateway.stream import StreamTimeouts
 from deepinfer.launcher import free_port
-from deepinfer.mesh import MeshClient
+from deepinfer.gateway.errors import OpenAIError, mesh_errors
+from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
 from deepinfer.models.tiny_vlm import make_tiny_llava
-from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply
+from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply, ProtocolError
 from deepinfer.recipe import ChatRecipe
 from deepinfer.vision.service import VisionService, image_hash
 from test_gateway import MODEL_DIR, FakeWorkers, InProcessGateway, assert_openai_error, start_nats_server
@@ -233,3 +234,18 @@ async def test_text_only_models_refuse_images(mesh):
     assert "text-only" in err["message"] and "image" in err["message"]
     r = await text_client.post("/v1/messages", json=anthropic(file_bytes(picture(7))))
     assert "text-only" in assert_anthropic_error(r, 400, "invalid_request_error")["message"]
+
+
+@pytest.mark.parametrize("failure, status, message", [
+    (NoResponders("x"), 503, "no vision worker is running"),
+    (RequestTimeout("x"), 503, "the vision service did not answer within 7s"),
+    (RemoteError("not an image", kind="bad_request"), 400, "not an image"),
+    (RemoteError("out of memory"), 500, "vision service failed: out of memory"),
+    (ProtocolError("schema version 9 != 1"), 500, "bad reply from the vision service: schema version 9"),
+])
+def test_mesh_failures_become_http_errors(failure, status, message):
+    # one mapping for every mesh service the gateway asks (tokenizer, vision)
+    with pytest.raises(OpenAIError) as e, mesh_errors("vision", "vision service", 7.0, "messages[0]", "invalid_image"):
+        raise failure
+    assert e.value.status == status and message in e.value.message
+    assert (e.value.param, e.value.code) == (("messages[0]", "invalid_image") if status == 400 else (None, e.value.code))

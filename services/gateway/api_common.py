@@ -19,13 +19,12 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
-from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable, validation_error
+from deepinfer.gateway.errors import OpenAIError, bad_request, mesh_errors, validation_error
 from deepinfer.gateway.generate import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCall, ToolCallParser
-from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
-from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ProtocolError, subjects
+from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, subjects
 from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
@@ -92,20 +91,10 @@ async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: lis
                   param: str) -> EncodeChatReply:
     msg = EncodeChatRequest(request_id, messages, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
-    try:
-        with tracer().start_as_current_span("gateway.tokenize") as span:
-            reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
-            span.set_attribute("gen_ai.usage.input_tokens", len(reply.token_ids))
-    except NoResponders:
-        raise unavailable("no tokenizer worker is running") from None
-    except RequestTimeout:
-        raise unavailable(f"the tokenizer did not answer within {timeout:.0f}s", code="timeout") from None
-    except RemoteError as e:
-        if e.kind == "bad_request":
-            raise bad_request(str(e), param=param) from None
-        raise internal(f"tokenizer failed: {e}") from None
-    except ProtocolError as e:
-        raise internal(f"bad reply from the tokenizer: {e}") from None
+    with mesh_errors("tokenizer", "tokenizer", timeout, param), \
+            tracer().start_as_current_span("gateway.tokenize") as span:
+        reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
+        span.set_attribute("gen_ai.usage.input_tokens", len(reply.token_ids))
     if not reply.token_ids:
         raise bad_request("the rendered prompt is empty", param=param)
     return reply

@@ -6,11 +6,15 @@ for 404/405, plain-text 500s) so a client only ever sees the OpenAI shape.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
+from deepinfer.protocol import ProtocolError
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -57,6 +61,25 @@ def unavailable(message: str, code: str = "service_unavailable") -> OpenAIError:
 
 def internal(message: str, code: str = "internal_error") -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, code)
+
+
+@contextmanager
+def mesh_errors(role: str, name: str, timeout: float, param: str | None = None, code: str | None = None):
+    """A request to a mesh service (``role``'s workers, called ``name`` in messages) whose failures
+    become HTTP errors: no worker running, or no answer within ``timeout`` -> 503; the service's
+    ``bad_request`` -> 400 with its message (``param``, ``code``); its other errors or a bad reply -> 500."""
+    try:
+        yield
+    except NoResponders:
+        raise unavailable(f"no {role} worker is running") from None
+    except RequestTimeout:
+        raise unavailable(f"the {name} did not answer within {timeout:.0f}s", code="timeout") from None
+    except RemoteError as e:
+        if e.kind == "bad_request":
+            raise bad_request(str(e), param=param, code=code) from None
+        raise internal(f"{name} failed: {e}") from None
+    except ProtocolError as e:
+        raise internal(f"bad reply from the {name}: {e}") from None
 
 
 def validation_error(errors: list[dict], field_names: set[str]) -> OpenAIError:

@@ -22,9 +22,8 @@ import base64
 import binascii
 import re
 
-from deepinfer.gateway.errors import bad_request, internal, unavailable
-from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
-from deepinfer.protocol import ProtocolError, VisionEncodeReply, VisionEncodeRequest, subjects
+from deepinfer.gateway.errors import bad_request, mesh_errors
+from deepinfer.protocol import VisionEncodeReply, VisionEncodeRequest, subjects
 from deepinfer.telemetry import tracer
 
 _DATA_URL = re.compile(r"^data:([\w.+/-]*)((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.ASCII)
@@ -90,19 +89,9 @@ async def image_bytes(url, gw, param: str) -> bytes:
 
 async def encode_one(gw, request_id: str, data: bytes, param: str) -> VisionEncodeReply:
     timeout = gw.config.vision_timeout_s
-    try:
+    with mesh_errors("vision", "vision service", timeout, param, code="invalid_image"):
         return await gw.mesh.request(subjects.VISION_ENCODE, VisionEncodeRequest(request_id, [data]),
                                      timeout=timeout, expect=VisionEncodeReply)
-    except NoResponders:
-        raise unavailable("no vision worker is running") from None
-    except RequestTimeout:
-        raise unavailable(f"the vision service did not answer within {timeout:.0f}s", code="timeout") from None
-    except RemoteError as e:
-        if e.kind == "bad_request":
-            raise bad_request(str(e).replace("image 0: ", ""), param=param, code="invalid_image") from None
-        raise internal(f"vision service failed: {e}") from None
-    except ProtocolError as e:
-        raise internal(f"bad reply from the vision service: {e}") from None
 
 
 async def resolve_images(gw, request_id: str, messages: list[dict], param: str = "messages"

@@ -182,12 +182,14 @@ class VisionService(Service):
                                  cached=list(cached))
 
     def decode_all(self, images: list[bytes]) -> list[tuple[str, object]]:
+        """Each image decoded and hashed. Raises BadImage naming the image ("image <i>: ") when
+        the request has several."""
         out = []
         for i, data in enumerate(images):
             try:
                 rgb = decode_image(data, self.max_image_bytes, self.max_pixels)
             except BadImage as e:
-                raise BadImage(f"image {i}: {e}") from None
+                raise BadImage(f"image {i}: {e}" if len(images) > 1 else str(e)) from None
             out.append((image_hash(rgb), rgb))
         return out
 
