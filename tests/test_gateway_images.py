@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http.server
 import io
 import threading
@@ -28,6 +29,7 @@ from deepinfer.gateway.config import GatewayConfig, load_model
 from deepinfer.gateway.stream import StreamTimeouts
 from deepinfer.launcher import free_port
 from deepinfer.gateway.errors import OpenAIError, mesh_errors
+from deepinfer.gateway.image_fetch import address_problem
 from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
 from deepinfer.models.tiny_vlm import make_tiny_llava
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply, ProtocolError
@@ -37,6 +39,21 @@ from test_gateway import MODEL_DIR, FakeWorkers, InProcessGateway, assert_openai
 from test_gateway_anthropic import assert_anthropic_error
 
 MAX_IMAGE_BYTES = 100_000
+VLM_CONFIG: list[GatewayConfig] = []  # the tiny LLaVA gateway's settings (tests change them for a while)
+
+
+@contextlib.contextmanager
+def settings(**changes):
+    """The tiny LLaVA gateway with ``changes`` to its settings, for the ``with`` block."""
+    config = VLM_CONFIG[-1]
+    before = {k: getattr(config, k) for k in changes}
+    for k, v in changes.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(config, k, v)
 
 
 def picture(seed=0, size=(40, 30)) -> Image.Image:
@@ -79,6 +96,7 @@ class Gateway(InProcessGateway):
                                     port=free_port(),
                                     worker_id="gateway-images", max_image_bytes=MAX_IMAGE_BYTES,
                                     image_fetch_timeout_s=2.0,
+                                    allow_private_image_urls=True,  # the test's image server is on loopback
                                     timeouts=StreamTimeouts(inactivity_s=4.0, handoff_s=1.0, tick_s=0.1))
         self.app = create_app(self.config, load_model(self.config))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.config.port,
@@ -93,13 +111,44 @@ def llava_dir(tmp_path_factory):
     return make_tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
+class ImageServer(str):
+    """The server's base URL (a str), with its port and the paths it was asked for."""
+
+    def __new__(cls, url: str, port: int, hits: list):
+        self = super().__new__(cls, url)
+        self.port, self.hits = port, hits
+        return self
+
+
 @pytest.fixture(scope="module")
 def image_server():
-    """A local HTTP server: /pic.png (an image), /big.png (over the limit), anything else 404."""
+    """A local HTTP server: /pic.png (an image), /big.png (over the limit), /drip.png (an image sent
+    a few bytes every 0.3 s: each read is quick, the whole takes long), /to/<url> (a 302 to <url>),
+    anything else 404. ``hits`` counts requests."""
     files = {"/pic.png": file_bytes(picture(9)), "/big.png": b"\x89PNG" + bytes(MAX_IMAGE_BYTES + 10)}
+    hits = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            hits.append(self.path)
+            if self.path.startswith("/to/"):
+                self.send_response(302)
+                self.send_header("Location", self.path[len("/to/"):])
+                self.end_headers()
+                return
+            if self.path == "/drip.png":
+                data = files["/pic.png"]
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    for i in range(0, len(data), 64):
+                        self.wfile.write(data[i : i + 64])
+                        self.wfile.flush()
+                        time.sleep(0.3)
+                except (BrokenPipeError, ConnectionResetError):  # the gateway gave up: as it should
+                    pass
+                return
             body = files.get(self.path)
             self.send_response(200 if body else 404)
             self.send_header("Content-Length", str(len(body or b"")))
@@ -110,8 +159,10 @@ def image_server():
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield ImageServer(url, server.server_address[1], hits)
     server.shutdown()
 
 
@@ -126,6 +177,7 @@ async def mesh(llava_dir, tmp_path_factory):
                            max_image_bytes=MAX_IMAGE_BYTES, max_pixels=200 * 200)
     await vision.start()
     async with Gateway(url, str(llava_dir)) as vlm, Gateway(url, str(MODEL_DIR)) as text:
+        VLM_CONFIG.append(vlm.config)
         for gw in (vlm, text):
             async with httpx.AsyncClient(base_url=gw.url, timeout=10) as c:
                 deadline = time.monotonic() + 5
@@ -179,7 +231,8 @@ BAD = {
     "too large": (lambda s: data_url(bytes(MAX_IMAGE_BYTES + 1)), "image too large"),
     "bad base64": (lambda s: "data:image/png;base64,@@@not-base64@@@", "not valid base64"),
     "not base64": (lambda s: "data:image/png,rawbytes", "must be base64"),
-    "unreachable": (lambda s: f"http://127.0.0.1:{free_port()}/x.png", "could not fetch"),
+    "unreachable": (lambda s: f"http://127.0.0.1:{free_port()}/x.png", "connection refused"),
+    "unresolvable": (lambda s: "http://no-such-host.invalid/x.png", "could not resolve host no-such-host.invalid"),
     "http 404": (lambda s: f"{s}/missing.png", "HTTP 404"),
     "remote too large": (lambda s: f"{s}/big.png", "image too large"),
     "scheme": (lambda s: "ftp://example.com/x.png", "data: URL or an http(s) URL"),
@@ -195,6 +248,89 @@ async def test_bad_images_are_openai_400s(mesh, image_server, case):
     err = assert_openai_error(r, 400, param="messages[0].content[1]")
     assert message in err["message"], err
     assert len(fakes.prefill_requests) == before
+
+
+async def test_a_slow_remote_image_is_cut_by_one_deadline_for_the_whole_fetch(mesh, image_server):
+    # every read gets bytes within 0.3 s (a per-read timeout never fires); the whole would take ~20 s
+    _, _, client, _ = mesh
+    started = time.monotonic()
+    r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/drip.png"))
+    err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_fetch_failed")
+    assert "no complete answer within 2 s" in err["message"]
+    assert time.monotonic() - started < 2.0 + 1.5
+
+
+async def test_remote_images_reach_only_public_addresses_by_default(mesh, image_server):
+    _, _, client, _ = mesh
+    asked = len(image_server.hits)
+    with settings(allow_private_image_urls=False):  # the default
+        for url, why in ((f"{image_server}/pic.png", "127.0.0.1 is a loopback address"),
+                         (f"http://localhost:{image_server.port}/pic.png", "host localhost resolves to"),
+                         (f"http://[::1]:{image_server.port}/pic.png", "::1 is a loopback address"),
+                         ("http://169.254.169.254/latest/meta-data/", "a link-local address"),
+                         ("http://10.1.2.3/x.png", "a private address")):
+            r = await client.post("/v1/chat/completions", json=chat(url))
+            err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+            assert why in err["message"] and "--allow-private-image-urls" in err["message"], err
+    assert len(image_server.hits) == asked  # refused before connecting
+
+
+async def test_remote_images_can_be_turned_off_or_kept_to_listed_domains(mesh, image_server):
+    _, _, client, _ = mesh
+    with settings(allow_remote_images=False):
+        r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/pic.png"))
+        err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+        assert "does not fetch remote image URLs" in err["message"]
+        r = await client.post("/v1/chat/completions", json=chat(data_url(file_bytes(picture(9)))))
+        assert r.status_code == 200, r.text  # data: URLs still work
+    local = f"http://localhost:{image_server.port}"
+    with settings(allowed_media_domains=("localhost",)):
+        r = await client.post("/v1/chat/completions", json=chat(f"{local}/pic.png"))
+        assert r.status_code == 200, r.text
+        for url in (f"{image_server}/pic.png", f"{local}/to/{image_server}/pic.png"):  # a redirect is checked too
+            r = await client.post("/v1/chat/completions", json=chat(url))
+            err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+            assert "images from 127.0.0.1 are not allowed (allowed domains: localhost)" in err["message"]
+    r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/to/{image_server}/pic.png"))
+    assert r.status_code == 200, r.text  # redirects are followed
+
+
+@pytest.mark.parametrize("address, problem", [
+    ("127.0.0.1", "a loopback address"), ("::1", "a loopback address"),
+    ("169.254.169.254", "a link-local address"), ("fe80::1", "a link-local address"),
+    ("10.0.0.7", "a private address"), ("192.168.1.1", "a private address"), ("fd00::1", "a private address"),
+    ("::ffff:10.0.0.7", "a private address"), ("100.64.0.1", "not a public address"),
+    ("224.0.0.1", "a multicast address"), ("0.0.0.0", "a private address"),
+    ("8.8.8.8", None), ("2606:4700:4700::1111", None),
+])
+def test_only_public_addresses_pass(address, problem):
+    assert address_problem(address) == problem
+
+
+def test_image_settings_come_from_flags_and_environment(monkeypatch):
+    from deepinfer.gateway.service import parse_args
+
+    default = parse_args([])
+    assert (default.allow_remote_images, default.allow_private_image_urls, default.allowed_media_domains) == \
+        (True, False, ())
+    monkeypatch.setenv("DEEPINFER_MAX_IMAGE_BYTES", "1000")
+    monkeypatch.setenv("DEEPINFER_IMAGE_FETCH_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("DEEPINFER_MAX_IMAGES", "3")
+    monkeypatch.setenv("DEEPINFER_VISION_TIMEOUT_S", "9")
+    monkeypatch.setenv("DEEPINFER_ALLOW_REMOTE_IMAGES", "false")
+    monkeypatch.setenv("DEEPINFER_ALLOW_PRIVATE_IMAGE_URLS", "1")
+    monkeypatch.setenv("DEEPINFER_ALLOWED_MEDIA_DOMAINS", "Images.Example.com, cdn.example.org.")
+    c = parse_args([])
+    assert (c.max_image_bytes, c.image_fetch_timeout_s, c.max_images, c.vision_timeout_s) == (1000, 2.5, 3, 9.0)
+    assert (c.allow_remote_images, c.allow_private_image_urls) == (False, True)
+    assert c.allowed_media_domains == ("images.example.com", "cdn.example.org")
+    c = parse_args(["--max-images", "5", "--allow-remote-images", "--no-allow-private-image-urls",
+                    "--allowed-media-domains", ""])  # flags win over the environment
+    assert (c.max_images, c.allow_remote_images, c.allow_private_image_urls, c.allowed_media_domains) == \
+        (5, True, False, ())
+    monkeypatch.setenv("DEEPINFER_ALLOW_PRIVATE_IMAGE_URLS", "maybe")
+    with pytest.raises(SystemExit):
+        parse_args([])
 
 
 async def test_openai_client_sends_an_image(mesh):

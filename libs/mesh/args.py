@@ -16,6 +16,19 @@ def log_level(s: str) -> str:
     return s.upper()
 
 
+def env_bool(name: str, default: bool) -> bool:
+    """A boolean setting's environment default: 1/true/yes/on or 0/false/no/off (any case); unset
+    or empty -> ``default``. Raises ValueError naming the variable for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
 def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
     p.add_argument("--nats", "--nats-url", dest="nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),

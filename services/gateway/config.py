@@ -44,12 +44,17 @@ class GatewayConfig:
     routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (router.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (admission.py)
     # images (vision-language models, images.py): the largest image accepted (data: URL after base64,
-    # or fetched; within NATS's default 1 MiB max_payload), how long a remote image_url may take,
-    # how many images one request may carry, how long the vision service may take for them
+    # or fetched; within NATS's default 1 MiB max_payload), how long fetching a remote image_url may
+    # take in all, how many images one request may carry, how long the vision service may take for them
     max_image_bytes: int = 768 << 10
     image_fetch_timeout_s: float = 10.0
     max_images: int = 8
     vision_timeout_s: float = 60.0
+    # remote image URLs (image_fetch.py): fetched at all; from private / loopback / link-local
+    # addresses too; only from these hosts (empty: any)
+    allow_remote_images: bool = True
+    allow_private_image_urls: bool = False
+    allowed_media_domains: tuple[str, ...] = ()
 
 
 @dataclass

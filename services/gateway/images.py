@@ -4,8 +4,10 @@ The APIs' image parts reach ``resolve_images`` as template parts ``{"type": "ima
 (OpenAI ``image_url`` parts; Anthropic base64 image blocks become ``data:`` URLs). For each one:
 
   * ``data:<media type>;base64,<data>``: base64-decoded (strictly: bad padding or characters are a 400);
-  * ``http(s)://``: fetched with httpx (``image_fetch_timeout_s``, redirects followed, the body read
-    only up to ``max_image_bytes``); unreachable, an HTTP error or too large is a 400;
+  * ``http(s)://``: fetched (``image_fetch``: within the remote-URL policy, public addresses only
+    by default; ``image_fetch_timeout_s`` for the whole download, redirects checked and followed,
+    the body read only up to ``max_image_bytes``); refused, unreachable, an HTTP error or too large
+    is a 400 saying which;
   * anything else, or more than ``max_images`` images: a 400.
 
 The bytes then go to the vision service (``deepinfer.vision.encode``, one request per image so
@@ -23,6 +25,7 @@ import binascii
 import re
 
 from deepinfer.gateway.errors import bad_request, mesh_errors
+from deepinfer.gateway.image_fetch import RemotePolicy, fetch
 from deepinfer.protocol import VisionEncodeReply, VisionEncodeRequest, subjects
 from deepinfer.telemetry import tracer
 
@@ -51,31 +54,6 @@ def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
     return raw
 
 
-async def fetch(url: str, max_bytes: int, timeout_s: float, param: str) -> bytes:
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=True) as client:
-            async with client.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise bad_request(f"could not fetch image_url: HTTP {r.status_code}", param=param,
-                                      code="image_fetch_failed")
-                length = r.headers.get("content-length")
-                if length and length.isdigit() and int(length) > max_bytes:
-                    raise bad_request(f"image too large: {length} bytes (limit {max_bytes})", param=param,
-                                      code="image_too_large")
-                body = bytearray()
-                async for piece in r.aiter_bytes():
-                    body += piece
-                    if len(body) > max_bytes:
-                        raise bad_request(f"image too large: over {max_bytes} bytes", param=param,
-                                          code="image_too_large")
-                return bytes(body)
-    except httpx.HTTPError as e:
-        raise bad_request(f"could not fetch image_url: {type(e).__name__}: {e or 'unreachable'}", param=param,
-                          code="image_fetch_failed") from None
-
-
 async def image_bytes(url, gw, param: str) -> bytes:
     if not isinstance(url, str) or not url:
         raise bad_request("image_url.url must be a non-empty string", param=param)
@@ -83,8 +61,12 @@ async def image_bytes(url, gw, param: str) -> bytes:
     if url.startswith("data:"):
         return decode_data_url(url, cfg.max_image_bytes, param)
     if url.startswith(("http://", "https://")):
-        return await fetch(url, cfg.max_image_bytes, cfg.image_fetch_timeout_s, param)
+        return await fetch(url, cfg.max_image_bytes, cfg.image_fetch_timeout_s, remote_policy(cfg), param)
     raise bad_request("image_url.url must be a data: URL or an http(s) URL", param=param)
+
+
+def remote_policy(cfg) -> RemotePolicy:
+    return RemotePolicy(cfg.allow_remote_images, cfg.allow_private_image_urls, tuple(cfg.allowed_media_domains))
 
 
 async def encode_one(gw, request_id: str, data: bytes, param: str) -> VisionEncodeReply:

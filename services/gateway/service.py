@@ -21,7 +21,7 @@ from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
 from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
 from deepinfer.gateway.stream import StreamTimeouts
-from deepinfer.mesh.args import log_level
+from deepinfer.mesh.args import env_bool, log_level
 from deepinfer.telemetry import configure_logging, configure_tracing, shutdown_tracing
 
 
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-queued-prefill-s", type=float, default=None,
                    help="per prefill worker: predicted seconds of queued prompt compute beyond which it takes "
                         "no more; none left -> 429 (default off)")
+    add_image_args(p)
     a = p.parse_args(argv)
     return GatewayConfig(
         nats_url=a.nats,
@@ -69,7 +70,53 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                              dynamo_overlap_weight=a.dynamo_overlap_weight),
         admission=AdmissionConfig(ttft_slo_s=a.ttft_slo_s, max_inflight=a.max_inflight,
                                   max_queued_prefill_s=a.max_queued_prefill_s),
+        max_image_bytes=a.max_image_bytes,
+        image_fetch_timeout_s=a.image_fetch_timeout_s,
+        max_images=a.max_images,
+        vision_timeout_s=a.vision_timeout_s,
+        allow_remote_images=a.allow_remote_images,
+        allow_private_image_urls=a.allow_private_image_urls,
+        allowed_media_domains=domains(a.allowed_media_domains),
     )
+
+
+def add_image_args(p: argparse.ArgumentParser) -> None:
+    """The image settings (vision-language models; ``images``, ``image_fetch``). NOTE: argparse
+    applies ``type`` to a string default, so a bad environment value is a usage error, not a crash."""
+    env, d = os.environ.get, GatewayConfig()
+    try:
+        allow_remote = env_bool("DEEPINFER_ALLOW_REMOTE_IMAGES", d.allow_remote_images)
+        allow_private = env_bool("DEEPINFER_ALLOW_PRIVATE_IMAGE_URLS", d.allow_private_image_urls)
+    except ValueError as e:
+        p.error(str(e))
+    p.add_argument("--max-image-bytes", type=int, default=env("DEEPINFER_MAX_IMAGE_BYTES") or d.max_image_bytes,
+                   help=f"largest image accepted, decoded or fetched (env DEEPINFER_MAX_IMAGE_BYTES; default "
+                        f"{d.max_image_bytes}: within NATS's default 1 MiB max_payload)")
+    p.add_argument("--image-fetch-timeout-s", type=float,
+                   default=env("DEEPINFER_IMAGE_FETCH_TIMEOUT_S") or d.image_fetch_timeout_s,
+                   help="seconds fetching a remote image_url may take in all: DNS, connects, redirects, body "
+                        f"(env DEEPINFER_IMAGE_FETCH_TIMEOUT_S; default {d.image_fetch_timeout_s:g})")
+    p.add_argument("--max-images", type=int, default=env("DEEPINFER_MAX_IMAGES") or d.max_images,
+                   help=f"images one request may carry (env DEEPINFER_MAX_IMAGES; default {d.max_images})")
+    p.add_argument("--vision-timeout-s", type=float,
+                   default=env("DEEPINFER_VISION_TIMEOUT_S") or d.vision_timeout_s,
+                   help="seconds the vision service may take to encode an image "
+                        f"(env DEEPINFER_VISION_TIMEOUT_S; default {d.vision_timeout_s:g})")
+    p.add_argument("--allow-remote-images", action=argparse.BooleanOptionalAction, default=allow_remote,
+                   help="fetch http(s) image URLs; off: only data: URLs (env DEEPINFER_ALLOW_REMOTE_IMAGES; "
+                        "default on)")
+    p.add_argument("--allow-private-image-urls", action=argparse.BooleanOptionalAction, default=allow_private,
+                   help="let image URLs reach private, loopback and link-local addresses (env "
+                        "DEEPINFER_ALLOW_PRIVATE_IMAGE_URLS; default off: every address a host resolves to "
+                        "must be public)")
+    p.add_argument("--allowed-media-domains", default=env("DEEPINFER_ALLOWED_MEDIA_DOMAINS", ""),
+                   help="comma-separated hosts image URLs may name, exactly (env DEEPINFER_ALLOWED_MEDIA_DOMAINS; "
+                        "default empty: any host)")
+
+
+def domains(text: str) -> tuple[str, ...]:
+    """``--allowed-media-domains``: lower-cased host names, without a trailing dot."""
+    return tuple(d.strip().lower().rstrip(".") for d in text.split(",") if d.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
