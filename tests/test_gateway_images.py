@@ -385,3 +385,18 @@ def test_mesh_failures_become_http_errors(failure, status, message):
         raise failure
     assert e.value.status == status and message in e.value.message
     assert (e.value.param, e.value.code) == (("messages[0]", "invalid_image") if status == 400 else (None, e.value.code))
+
+
+async def test_completions_refuse_the_image_token_without_an_image(mesh):
+    fakes, _, client, text_client = mesh
+    image_token = fakes.recipe.image_token_id
+    before = len(fakes.prefill_requests)
+    for prompt in ([1, 2, image_token, 3], "Look: <image> what is it?"):  # an id, or its text (parsed: a raw prompt)
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2})
+        err = assert_openai_error(r, 400, param="prompt", code="image_token_without_image")
+        assert f"image placeholder token (id {image_token})" in err["message"]
+    assert len(fakes.prefill_requests) == before
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": "Look: what is it?", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = await text_client.post("/v1/completions", json={"model": "m", "prompt": "Look: <image>", "max_tokens": 2})
+    assert r.status_code == 200, r.text  # a text-only model has no image token: just text

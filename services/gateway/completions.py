@@ -7,7 +7,10 @@ a list of prompts is refused (400) rather than half-supported. ``echo``
 prepends the prompt's text; ``logprobs`` (0-5) fills the legacy ``logprobs``
 object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
 ``echo`` with ``logprobs`` would need prompt logprobs and is refused, as are
-``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``.
+``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``. A
+vision-language model's image placeholder token in a prompt (as an id, or as
+its text, which a raw prompt parses as the special token) is refused too: only
+an image may put it there, and this endpoint takes none.
 Generation, n > 1, stop strings and errors are the chat endpoint's
 (``generate.py``); responses have OpenAI's ``text_completion`` shape.
 vLLM's structured-output fields (``guided_json``, ``guided_regex``,
@@ -104,6 +107,12 @@ def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
+    image_token = gw.model.image_token_id
+    if image_token is not None and image_token in ids:
+        # NOTE: its rows would be fed the token's own embedding instead of an image's: garbage, silently
+        raise bad_request(f"the prompt holds the image placeholder token (id {image_token}) but this endpoint "
+                          "takes no images: send images as image_url parts to /v1/chat/completions",
+                          param="prompt", code="image_token_without_image")
     return ids
 
 

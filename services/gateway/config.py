@@ -65,20 +65,24 @@ class ModelInfo:
     tokenizer: Decoder
     vocab_size: int | None = None  # None: token ids are not checked against it
     takes_images: bool = False  # a vision-language model (config.json has a vision_config)
+    image_token_id: int | None = None  # its image placeholder token (only images may put it in a prompt)
 
 
 def load_model(config: GatewayConfig) -> ModelInfo:
     from deepinfer.models.convert import resolve_model
+    from deepinfer.recipe.chat import image_config
 
     path = resolve_model(config.model)
     hf_config = json.loads((path / "config.json").read_text())
+    image = image_config(path)  # (image token id, tokens per image) of a vision-language model
     return ModelInfo(
         path=path,
         served_name=config.served_model_name or path.name,
         max_model_len=config.max_model_len or _max_model_len(hf_config),
         tokenizer=load_tokenizer(path),
         vocab_size=_vocab_size(hf_config),
-        takes_images=bool(hf_config.get("vision_config")),
+        takes_images=image is not None,
+        image_token_id=image[0] if image else None,
     )
 
 
