@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from dataclasses import asdict
@@ -35,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from deepinfer.bench.client import stream_completion
-from deepinfer.bench.metrics import RequestResult, percentile, summarize
+from deepinfer.bench.metrics import RequestResult, percentile, strict_json, summarize
 from deepinfer.bench.trace import (PromptMaker, TraceRequest, ideal_engine_hits, ideal_hit_rate, load_mooncake,
                                    scale_trace)
 
@@ -335,23 +334,12 @@ async def _run(args, url, nats_url, rows, reqs, prompts, say) -> dict:
     per_request = [{"arrival_s": q.arrival_s, "input_length": q.input_length, "output_length": q.output_length,
                     **{k: v for k, v in asdict(r).items() if k != "token_times"},
                     "ttft_s": r.ttft if r.ok else None} for q, r in zip(reqs, results)]
-    (args.out / "replay.json").write_text(json.dumps(_no_nan({"summary": summary, "requests": per_request}),
+    (args.out / "replay.json").write_text(json.dumps(strict_json({"summary": summary, "requests": per_request}),
                                                      indent=1, allow_nan=False))
     plot_ttft(results, args.out / "ttft_over_time.png", args.slo_ttft)
     print(format_table(summary))
     say(f"wrote {args.out / 'replay.json'} and {args.out / 'ttft_over_time.png'}")
     return summary
-
-
-def _no_nan(x):
-    """``x`` with every float NaN (an empty distribution) as None, so the file is strict JSON."""
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _no_nan(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_no_nan(v) for v in x]
-    return x
 
 
 def cli(args: argparse.Namespace) -> int:
