@@ -9,6 +9,10 @@
         list the live workers of a running mesh (from their load reports) and their load
     deepinfer convert
         convert the embedded default model (once) and print its directory
+    deepinfer bench serve | compare | replay [args...]
+        serving benchmarks of any OpenAI-compatible endpoint (docs/benchmarks.md)
+    deepinfer economics [args...]
+        revenue, margin, payback and cache storage of a day of traffic
 """
 
 from __future__ import annotations
@@ -180,11 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert the embedded default model and print its directory")
     conv.add_argument("--model", default=None, help=argparse.SUPPRESS)
 
-    from deepinfer.bench import replay
+    from deepinfer import economics
+    from deepinfer.bench import compare, replay, serve
 
     bench = sub.add_parser("bench", help="benchmark clients").add_subparsers(dest="bench", required=True)
+    serve.add_arguments(bench.add_parser("serve", help="benchmark an OpenAI-compatible endpoint",
+                                         description=serve.DESCRIPTION))
+    compare.add_arguments(bench.add_parser("compare", help="the same workload against two endpoints, with ratios",
+                                           description=compare.DESCRIPTION))
     replay.add_arguments(bench.add_parser("replay", help="replay a Mooncake-format trace through a gateway",
                                           description=replay.DESCRIPTION))
+    economics.add_arguments(sub.add_parser("economics", help="revenue, margin, payback and cache storage per day",
+                                           description=economics.DESCRIPTION))
     return p
 
 
@@ -205,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return status.cli(args)
     if args.command == "bench":
-        from deepinfer.bench import replay
+        from deepinfer.bench import compare, replay, serve
 
-        return replay.cli(args)
+        return {"serve": serve, "compare": compare, "replay": replay}[args.bench].cli(args)
+    if args.command == "economics":
+        from deepinfer import economics
+
+        return economics.cli(args)
     return 2  # unreachable: subcommand is required
 
 
