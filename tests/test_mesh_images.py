@@ -119,6 +119,25 @@ def test_images_through_the_mesh(vlm_mesh, llava):
     assert report.vision_forwards == 2 and report.vision_images == 2 and report.vision_cache_hits == 1
 
 
+def test_damaged_embeddings_in_the_tier_are_encoded_again(vlm_mesh, llava):
+    # the vision worker verifies a stored file before taking it as a hit; else prefill would fail (a 500)
+    import openai
+
+    from deepinfer.vision.service import image_hash
+
+    client = openai.OpenAI(base_url=vlm_mesh.gateway_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    img = picture(3)
+    first = ask(client, img)
+    path = next(vlm_mesh.kv_root.glob(f"*/embeddings/*/{image_hash(img.convert('RGB'))}.kvb"))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    forwards = asyncio.run(vision_report(vlm_mesh.nats_url)).vision_forwards
+    again = ask(client, img)
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert asyncio.run(vision_report(vlm_mesh.nats_url)).vision_forwards == forwards + 1
+
+
 # --- decode failover of image requests (issue #11 review, item 1) -----------------------------
 FAST_START = ["--no-calibrate", "--kv-cache-gb", "0.1"]
 BLOCK = 16  # the workers' default --block-size

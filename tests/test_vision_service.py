@@ -93,6 +93,28 @@ async def test_concurrent_requests_for_one_image_share_a_forward(vision):
     assert service.forwards == forwards + 1
 
 
+@pytest.mark.parametrize("damage", ["flipped byte", "cut short"])
+async def test_damaged_stored_embeddings_are_encoded_again(vision, llava_dir, damage):
+    service, client = vision
+    img = picture(11 if damage == "flipped byte" else 12)
+    rep = await encode(client, [file_bytes(img)], rid="d1")
+    path = service.store.path(rep.image_hashes[0], EMBEDDINGS_CLASS)
+    data = bytearray(path.read_bytes())
+    if damage == "flipped byte":
+        data[-5] ^= 0xFF  # a payload byte: the checksum no longer matches
+    else:
+        del data[len(data) // 2:]
+    path.write_bytes(bytes(data))
+    forwards = service.forwards
+    rep2 = await encode(client, [file_bytes(img)], rid="d2")
+    assert rep2.cached == [False] and service.forwards == forwards + 1  # not taken as a hit: encoded again
+    got = read_embeddings(BlockStore(service.store.root, rep2.embeddings_fingerprint), rep2.image_hashes[0])
+    ref = service.model.encode_images(preprocess([img], llava_dir))[0]
+    assert got is not None and torch.allclose(got, ref, atol=1e-6, rtol=0)
+    rep3 = await encode(client, [file_bytes(img)], rid="d3")
+    assert rep3.cached == [True] and service.forwards == forwards + 1
+
+
 def truncated_png() -> bytes:
     data = file_bytes(picture(3, (64, 64)))
     return data[: len(data) // 2]

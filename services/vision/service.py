@@ -9,7 +9,9 @@ Lifecycle of a request in this service:
      naming it (the gateway's 400).
   3. Images whose embeddings are already in the storage tier
      (``<kv root>/<embeddings fingerprint>/embeddings/<hash[:2]>/<hash>.kvb``, the block file
-     format of ``deepinfer.kvstore``, written atomically) are done. The others are preprocessed
+     format of ``deepinfer.kvstore``, written atomically) and read back whole (checksum and shape
+     verified, as prefill will read them: a damaged file is deleted and counts as a miss) are
+     done. The others are preprocessed
      by the checkpoint's image processor and encoded in one forward pass of the vision tower and
      projector (``model.encode_images``, in a worker thread), and their embeddings
      [tokens_per_image, hidden] written to the tier. Two requests with the same image at once
@@ -37,6 +39,7 @@ import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+from deepinfer.kvstore.embeddings import EMBEDDINGS_CLASS
 from deepinfer.kvstore.hashing import embeddings_fingerprint
 from deepinfer.kvstore.store import BlockStore
 from deepinfer.mesh import Service, run_service
@@ -47,7 +50,6 @@ from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
-EMBEDDINGS_CLASS = "embeddings"  # the storage tier's directory of image embeddings
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_IMAGE_BYTES = 768 << 10  # below NATS's default max_payload (1 MiB) with room for the envelope
 MAX_PIXELS = 4096 * 4096
@@ -120,6 +122,7 @@ class VisionService(Service):
         self.io = ThreadPoolExecutor(2, thread_name_prefix="vision-io")
         self.inflight: dict[str, asyncio.Future] = {}
         self.forwards = self.images_encoded = self.cache_hits = self.requests = 0
+        self.damaged = 0  # stored embeddings found damaged (and encoded again)
 
     async def setup(self) -> None:
         sub = await self.mesh.subscribe(subjects.VISION_ENCODE, self.on_encode, queue=subjects.VISION_GROUP,
@@ -143,8 +146,7 @@ class VisionService(Service):
         except BadImage as e:
             return ErrorReply(error=str(e), kind="bad_request")
         hashes = [h for h, _ in decoded]
-        cached = await loop.run_in_executor(
-            self.io, lambda: [self.store.path(h, EMBEDDINGS_CLASS).exists() for h in hashes])
+        cached = await loop.run_in_executor(self.io, lambda: [self.stored(h) for h in hashes])
         waits, mine = [], {}
         for (h, rgb), hit in zip(decoded, cached):
             if hit:
@@ -180,6 +182,20 @@ class VisionService(Service):
         return VisionEncodeReply(request_id=req.request_id, image_hashes=hashes,
                                  tokens_per_image=self.tokens_per_image, embeddings_fingerprint=self.fingerprint,
                                  cached=list(cached))
+
+    def stored(self, h: str) -> bool:
+        """Whether the tier holds image ``h``'s embeddings whole: read and verified as prefill will
+        read them (the block file's checksum, then the shape). A damaged file (deleted by the
+        store) or a misshapen one is a miss, so the image is encoded and written again."""
+        path = self.store.path(h, EMBEDDINGS_CLASS)
+        if not path.exists():
+            return False
+        e = self.store.get(h, EMBEDDINGS_CLASS)
+        if e is not None and e.dim() == 2 and e.shape[0] == self.tokens_per_image:
+            return True
+        self.damaged += 1
+        log.warning("embeddings_damaged", image_hash=h, action="re-encoding")
+        return False
 
     def decode_all(self, images: list[bytes]) -> list[tuple[str, object]]:
         """Each image decoded and hashed. Raises BadImage naming the image ("image <i>: ") when
