@@ -363,6 +363,60 @@ async def test_anthropic_image_blocks(mesh):
         assert message in err["message"]
 
 
+async def test_anthropic_image_errors_use_anthropic_terms(mesh, image_server):
+    _, _, client, _ = mesh
+
+    def source_url(url):
+        return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": url}}, {"type": "text", "text": "Describe it."}]}]}
+
+    bad_base64 = anthropic(b"")
+    bad_base64["messages"][0]["content"][0]["source"]["data"] = "@@@not-base64@@@"
+    tiff = anthropic(file_bytes(picture(4), "TIFF"), media="image/tiff")
+    for body, message in ((bad_base64, "image block: source.data is not valid base64"),
+                          (source_url(f"{image_server}/missing.png"), "could not fetch source.url: HTTP 404"),
+                          (source_url("ftp://example.com/x.png"), "source.url must be a data: URL or an http(s) URL"),
+                          (tiff, "media_type")):
+        r = await client.post("/v1/messages", json=body)
+        err = assert_anthropic_error(r, 400, "invalid_request_error")
+        assert message in err["message"] and "image_url" not in err["message"], err
+    r = await client.post("/v1/messages", json=source_url(f"{image_server}/pic.png"))
+    assert r.status_code == 200, r.text
+
+
+def responses_input(*parts, **extra) -> dict:
+    return {"model": "m", "max_output_tokens": 4, "store": False, **extra,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, *parts]}]}
+
+
+async def test_responses_input_image_with_the_openai_client(mesh, image_server):
+    from openai import OpenAI
+
+    fakes, _, client, _ = mesh
+    oai = OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0)
+    for url, pic in ((data_url(file_bytes(picture(12))), picture(12)), (f"{image_server}/pic.png", picture(9))):
+        body = responses_input({"type": "input_image", "image_url": url, "detail": "auto"})
+        out = await asyncio.to_thread(oai.responses.create, **body)
+        assert out.status in ("completed", "incomplete") and out.output_text
+        req = fakes.prefill_requests[-1]
+        assert req.images[0][2] == image_hash(pic) and len(req.images) == 1
+        assert req.prompt_token_ids.count(fakes.recipe.image_token_id) == 16
+    # errors in the Responses API's words, naming the input part (after instructions, too)
+    for part, message in (({"type": "input_image", "image_url": "data:image/png;base64,@@@"},
+                           "input_image: the data: URL is not valid base64"),
+                          ({"type": "input_image", "image_url": "ftp://example.com/x.png"},
+                           "input_image.image_url must be a data: URL or an http(s) URL"),
+                          ({"type": "input_image", "image_url": f"{image_server}/missing.png"},
+                           "could not fetch input_image.image_url: HTTP 404"),
+                          ({"type": "input_image", "image_url": data_url(b"plain text")}, "not an image")):
+        r = await client.post("/v1/responses", json=responses_input(part, instructions="Be brief."))
+        err = assert_openai_error(r, 400, param="input[0].content[1]")
+        assert message in err["message"], err
+    r = await client.post("/v1/responses", json=responses_input({"type": "input_image", "file_id": "file-1"}))
+    err = assert_openai_error(r, 400, param="input[0].content[1]")
+    assert "file_id is not supported" in err["message"]
+
+
 async def test_text_only_models_refuse_images(mesh):
     fakes, _, _, text_client = mesh
     r = await text_client.post("/v1/chat/completions", json=chat(data_url(file_bytes(picture(7)))))

@@ -54,6 +54,7 @@ from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request
+from deepinfer.gateway.images import ANTHROPIC
 from deepinfer.gateway.structured import tool_call_spec
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.limits import BodyTooLarge
@@ -102,7 +103,7 @@ class ToolResultBlock(_Strict):
 
 class ImageSource(_Strict):
     type: Literal["base64", "url"]
-    media_type: str | None = None  # base64: image/jpeg, image/png, image/gif, image/webp
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None  # base64 (Anthropic's set)
     data: str | None = None
     url: str | None = None
 
@@ -180,7 +181,8 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
 
 
-_FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, Tool, ToolChoice)
+_FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, ImageSource,
+                      Tool, ToolChoice)
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -303,15 +305,15 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
         out.append({"role": "system", "content": req.system})
     elif isinstance(req.system, list) and req.system:
         out.append({"role": "system", "content": "\n".join(b.text for b in req.system)})
-    for m in req.messages:
+    for k, m in enumerate(req.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
         if m.role == "user" and any(isinstance(b, ImageBlock) for b in m.content):
             parts = []  # images: the parts in order (tool results are not mixed with images here)
-            for b in m.content:
+            for j, b in enumerate(m.content):
                 if isinstance(b, ImageBlock):
-                    parts.append({"type": "image_url", "url": b.url()})
+                    parts.append({"type": "image_url", "url": b.url(), "param": f"messages.{k}.content.{j}"})
                 elif isinstance(b, TextBlock):
                     parts.append({"type": "text", "text": b.text})
                 else:
@@ -376,7 +378,8 @@ async def count_message_tokens(request: Request, gw: Gateway) -> Response:
     req = parse_body(CountTokensRequest, await request.body(), _FIELDS)
     validate(req, gw)
     check_workers(gw.registry)
-    ids, _, _ = await encode_messages_images(gw, uuid.uuid4().hex, template_messages(req), template_tools(req))
+    ids, _, _ = await encode_messages_images(gw, uuid.uuid4().hex, template_messages(req), template_tools(req),
+                                             terms=ANTHROPIC)
     return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -392,7 +395,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     check_workers(gw.registry)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await encode_messages_images(gw, request_id, template_messages(req),
-                                                                     template_tools(req))
+                                                                     template_tools(req), terms=ANTHROPIC)
     max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_tokens, "max_tokens", "messages")
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,

@@ -76,13 +76,14 @@ async def encode_messages(gw: Gateway, request_id: str, messages: list[dict], to
 
 
 async def encode_messages_images(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
-                                 param: str = "messages") -> tuple[list[int], list[list], str]:
+                                 param: str = "messages", terms=None) -> tuple[list[int], list[list], str]:
     """``encode_messages`` for messages that may hold image parts (``{"type": "image_url", "url"}``,
-    ``images.resolve_images``: fetched, checked and encoded by the vision service first). Returns
-    (prompt ids, ``[offset, length, content hash]`` per image, embeddings fingerprint)."""
-    from deepinfer.gateway.images import resolve_images
+    ``images.resolve_images``: fetched, checked and encoded by the vision service first; ``terms``:
+    the API's words for images in errors, ``images.OPENAI`` by default). Returns (prompt ids,
+    ``[offset, length, content hash]`` per image, embeddings fingerprint)."""
+    from deepinfer.gateway.images import OPENAI, resolve_images
 
-    messages, fingerprint = await resolve_images(gw, request_id, messages, param)
+    messages, fingerprint = await resolve_images(gw, request_id, messages, param, terms or OPENAI)
     reply = await _encode(gw, request_id, messages, tools, param)
     return list(reply.token_ids), [list(i) for i in reply.images], fingerprint
 

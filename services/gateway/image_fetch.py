@@ -129,23 +129,25 @@ class _CheckedBackend(httpcore.AsyncNetworkBackend):
         await self.inner.sleep(seconds)
 
 
-async def fetch(url: str, max_bytes: int, timeout_s: float, policy: RemotePolicy, param: str) -> bytes:
-    """The body of the image at ``url`` (see the module docstring). Raises a 400 ``OpenAIError``."""
+async def fetch(url: str, max_bytes: int, timeout_s: float, policy: RemotePolicy, param: str,
+                field: str = "image_url") -> bytes:
+    """The body of the image at ``url`` (see the module docstring); ``field``: what the API calls
+    the URL, for messages. Raises a 400 ``OpenAIError``."""
     try:
         async with asyncio.timeout(timeout_s):
             return await _fetch(url, max_bytes, policy, param)
     except TimeoutError:
         message = f"no complete answer within {timeout_s:g} s (the whole download's limit)"
     except Refused as e:
-        raise bad_request(f"image_url refused: {e}" if e.code == "image_url_not_allowed"
-                          else f"could not fetch image_url: {e}", param=param, code=e.code) from None
+        raise bad_request(f"{field} refused: {e}" if e.code == "image_url_not_allowed"
+                          else f"could not fetch {field}: {e}", param=param, code=e.code) from None
     except httpcore.TimeoutException:
         message = f"no complete answer within {timeout_s:g} s (the whole download's limit)"
     except (httpcore.NetworkError, httpcore.ProtocolError) as e:
         message = f"the connection failed ({type(e).__name__}: {e or 'closed by the server'})"
     except httpcore.UnsupportedProtocol as e:
         message = f"unsupported URL ({e or 'scheme'})"
-    raise bad_request(f"could not fetch image_url: {message}", param=param, code="image_fetch_failed")
+    raise bad_request(f"could not fetch {field}: {message}", param=param, code="image_fetch_failed")
 
 
 async def _fetch(url: str, max_bytes: int, policy: RemotePolicy, param: str) -> bytes:

@@ -1,7 +1,9 @@
 """POST /v1/responses, GET / DELETE /v1/responses/{id}: the OpenAI Responses API on the mesh.
 
-Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``output_text`` content
-or a plain string; ``function_call``; ``function_call_output``), ``instructions`` (a system message
+Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``output_text`` /
+``input_image`` content (``image_url``: a URL or a ``data:`` URL; vision-language models,
+``gateway.images``; ``file_id`` is refused) or a plain string; ``function_call``;
+``function_call_output``), ``instructions`` (a system message
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
 ``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only) with ``tool_choice``
 (``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
@@ -59,11 +61,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
-from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages, field_names, log_finished,
-                                          output_budget, parse_body, run, run_to_end)
+from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages_images, field_names,
+                                          log_finished, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
+from deepinfer.gateway.images import RESPONSES
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
 from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
@@ -92,7 +95,24 @@ class OutputText(_Strict):
     text: str
 
 
-ContentPart = Annotated[Union[InputText, OutputText], Discriminator("type")]
+class InputImage(_Strict):
+    """An image (vision-language models; ``gateway.images``): ``image_url`` is a URL or a ``data:`` URL,
+    as OpenAI's. ``file_id`` needs a Files API this server does not have."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None  # accepted, not used: the model's image processor fixes the resolution
+
+    @model_validator(mode="after")
+    def _url(self):
+        if self.image_url is None:
+            why = "; file_id is not supported (no Files API)" if self.file_id is not None else ""
+            raise ValueError(f"an input_image needs an image_url (a URL or a data: URL){why}")
+        return self
+
+
+ContentPart = Annotated[Union[InputText, OutputText, InputImage], Discriminator("type")]
 
 
 class MessageItem(_Strict):
@@ -102,9 +122,16 @@ class MessageItem(_Strict):
     id: str | None = None
     status: str | None = None
 
-    def text(self) -> str:
+    def template_content(self, param: str) -> str | list[dict]:
+        """The content for the chat template: text, or with images the parts in order
+        (``{"type": "image_url", "url", "param"}`` for ``images.resolve_images``; ``param``: this
+        item's path, for errors)."""
         if isinstance(self.content, str):
             return self.content
+        if any(isinstance(p, InputImage) for p in self.content):
+            return [{"type": "image_url", "url": p.image_url, "param": f"{param}.content[{j}]"}
+                    if isinstance(p, InputImage) else {"type": "text", "text": p.text}
+                    for j, p in enumerate(self.content)]
         return "\n".join(p.text for p in self.content)
 
 
@@ -201,8 +228,8 @@ class ResponsesRequest(_Strict):
     cache_salt: str | None = None
 
 
-_FIELDS = field_names(ResponsesRequest, MessageItem, InputText, OutputText, FunctionCallItem, FunctionCallOutputItem,
-                      FunctionTool, FunctionToolChoice, TextConfig, TextFormat)
+_FIELDS = field_names(ResponsesRequest, MessageItem, InputText, OutputText, InputImage, FunctionCallItem,
+                      FunctionCallOutputItem, FunctionTool, FunctionToolChoice, TextConfig, TextFormat)
 
 
 # --- validation and the prompt -------------------------------------------------------------
@@ -286,14 +313,17 @@ def template_tools(req: ResponsesRequest) -> list[dict] | None:
     return out
 
 
-def template_messages(instructions: str | None, items: list) -> list[dict]:
-    """The conversation as OpenAI chat messages (text content) for the chat template."""
+def template_messages(instructions: str | None, items: list, first_input: int = 0) -> list[dict]:
+    """The conversation as OpenAI chat messages (text content, or parts with images) for the chat
+    template. ``items[first_input:]`` are the request's ``input`` (earlier ones, a previous
+    response's conversation): an image's errors name its ``input[i].content[j]``."""
     out: list[dict] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
-    for item in items:
+    for k, item in enumerate(items):
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": item.text()})
+            where = f"input[{k - first_input}]" if k >= first_input else "previous_response_id"
+            out.append({"role": item.role, "content": item.template_content(where)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
@@ -399,8 +429,9 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     check_call_outputs(context + new_items)
     check_workers(gw.registry)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
-    prompt_ids = await encode_messages(gw, request_id, template_messages(req.instructions, context + new_items),
-                                       template_tools(req), param="input")
+    prompt_ids, images, embeddings_fp = await encode_messages_images(
+        gw, request_id, template_messages(req.instructions, context + new_items, len(context)), template_tools(req),
+        param="input", terms=RESPONSES)
     max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_output_tokens, "max_output_tokens",
                                "input")
     sampling = SamplingParams(
@@ -409,7 +440,8 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
         max_tokens=max_tokens,
         structured=structured,
     )
-    choices = new_choices(gw, request_id, 1, [], traffic_class, req.cache_salt)
+    choices = new_choices(gw, request_id, 1, [], traffic_class, req.cache_salt, images=images,
+                          embeddings_fingerprint=embeddings_fp)
     try:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
