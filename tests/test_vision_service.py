@@ -115,6 +115,18 @@ async def test_damaged_stored_embeddings_are_encoded_again(vision, llava_dir, da
     assert rep3.cached == [True] and service.forwards == forwards + 1
 
 
+async def test_embeddings_stay_out_of_the_kvindex(vision):
+    # a kvindex replay scans the tier: image embeddings are no KV blocks (no retention, no capacity)
+    from deepinfer.kvstore.scan import scan_blocks
+
+    service, client = vision
+    rep = await encode(client, [file_bytes(picture(13))], rid="s1")
+    assert service.store.path(rep.image_hashes[0], EMBEDDINGS_CLASS).exists()
+    assert list(scan_blocks(service.store.root)) == []
+    BlockStore(service.store.root, rep.embeddings_fingerprint).put("ab" * 32, torch.zeros(2, 2), "chat")
+    assert [b.retention_class for b in scan_blocks(service.store.root)] == ["chat"]
+
+
 def truncated_png() -> bytes:
     data = file_bytes(picture(3, (64, 64)))
     return data[: len(data) // 2]

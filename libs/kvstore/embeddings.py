@@ -6,8 +6,9 @@ header, XXH3 checksum), keyed by the image's content hash. Prefill reads them to
 prompt's image rows; a decode worker that resumes a request (the gateway's failover) reads them
 too, to recompute what the storage tier's KV blocks do not cover.
 
-NOTE: these files are outside the kvindex's retention and capacity accounting (the kvindex
-indexes KV blocks only): nothing expires or evicts them; see docs/architecture.md "Images".
+NOTE: these files are outside the kvindex's retention and capacity accounting (it indexes KV
+blocks only, and its replay skips this directory): nothing expires or evicts them; deleting them
+is safe (a miss: the image is encoded again); see docs/architecture.md "Images".
 
 Every function here blocks on file I/O: call it from an I/O thread.
 """
@@ -16,9 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deepinfer.kvstore.format import EMBEDDINGS as EMBEDDINGS_CLASS  # their directory (not indexed)
 from deepinfer.kvstore.store import BlockStore
-
-EMBEDDINGS_CLASS = "embeddings"  # the storage tier's directory of image embeddings
 
 
 class EmbeddingsReader:

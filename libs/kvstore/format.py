@@ -34,6 +34,7 @@ PREFIX = struct.Struct("<4sHI")  # magic, format version, header length
 MAX_HEADER_BYTES = 64 * 1024  # a longer header is corruption, not a block
 SUFFIX = ".kvb"
 EPHEMERAL = "ephemeral"  # class of a request's partial last block (deleted after use, never indexed)
+EMBEDDINGS = "embeddings"  # class of images' embeddings (``kvstore.embeddings``; not KV: never indexed)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_-]+")
 

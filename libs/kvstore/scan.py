@@ -2,7 +2,9 @@
 
 Reads only headers (a few hundred bytes per file), never payloads, so a
 replay costs one open + one small read per block. Ephemeral blocks (a
-request's partial last block) are skipped: they are never indexed.
+request's partial last block) are skipped: they are never indexed; so are
+images' embeddings (``kvstore.embeddings``: not KV blocks, outside the
+kvindex's retention and capacity).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from deepinfer.kvstore.format import EPHEMERAL, SUFFIX, SAFE_NAME, read_header
+from deepinfer.kvstore.format import EMBEDDINGS, EPHEMERAL, SUFFIX, SAFE_NAME, read_header
 
 
 @dataclass
@@ -48,7 +50,7 @@ def scan_blocks(root: str | Path, fingerprint: str | None = None) -> Iterator[Bl
     fps = [fingerprint] if fingerprint is not None else fingerprints(root)
     for fp in fps:
         for cls_dir in _subdirs(Path(root) / fp):
-            if cls_dir.name == EPHEMERAL or not SAFE_NAME.fullmatch(cls_dir.name):
+            if cls_dir.name in (EPHEMERAL, EMBEDDINGS) or not SAFE_NAME.fullmatch(cls_dir.name):
                 continue
             for shard in _subdirs(cls_dir):
                 try:
