@@ -1,7 +1,8 @@
 """What the Responses and Anthropic Messages endpoints share beyond ``generate``.
 
 * ``parse_body``: strict pydantic parsing into an ``OpenAIError`` (400) naming the field.
-* ``encode_messages``: template messages (OpenAI chat shape) -> prompt ids via the tokenizer service.
+* ``encode_messages_images``: template messages (OpenAI chat shape, images too) -> prompt ids and
+  images via the vision and tokenizer services.
 * ``output_budget``: the prompt must leave room; the requested output must fit the context.
 * ``Assembler``: text deltas -> ordered content blocks (text, tool call), as events, so a stream
   and a collected response are built by the same code and are equal by construction.
@@ -63,24 +64,19 @@ def field_names(*models: type[BaseModel]) -> set[str]:
 # --- the prompt -------------------------------------------------------------------
 
 
-async def encode_messages(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
-                          param: str = "messages") -> list[int]:
-    """Render ``messages`` (OpenAI chat shape: role, content text, tool_calls, tool_call_id) and
-    ``tools`` (``{"type": "function", "function": {...}}``, or None) with the model's chat template
-    on the tokenizer service. Returns the prompt's token ids.
-
-    Raises 400 (the template refused the messages, or the prompt is empty; ``param`` names the field),
-    503 (no tokenizer, or no answer within ``tokenizer_timeout_s``), 500 (tokenizer failure, bad reply).
-    """
-    return list((await _encode(gw, request_id, messages, tools, param)).token_ids)
-
-
 async def encode_messages_images(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
                                  param: str = "messages", terms=None) -> tuple[list[int], list[list], str]:
-    """``encode_messages`` for messages that may hold image parts (``{"type": "image_url", "url"}``,
-    ``images.resolve_images``: fetched, checked and encoded by the vision service first; ``terms``:
-    the API's words for images in errors, ``images.OPENAI`` by default). Returns (prompt ids,
-    ``[offset, length, content hash]`` per image, embeddings fingerprint)."""
+    """Render ``messages`` (OpenAI chat shape: role, content text or parts, tool_calls, tool_call_id)
+    and ``tools`` (``{"type": "function", "function": {...}}``, or None) with the model's chat
+    template on the tokenizer service. Image parts (``{"type": "image_url", "url"}``) are fetched,
+    checked and encoded by the vision service first (``images.resolve_images``; ``terms``: the API's
+    words for images in errors, ``images.OPENAI`` by default). Returns (prompt ids,
+    ``[offset, length, content hash]`` per image, embeddings fingerprint).
+
+    Raises 400 (a bad image, the template refused the messages, or the prompt is empty; ``param``
+    names the field), 503 (no tokenizer / vision worker, or no answer in time), 500 (their failure,
+    a bad reply).
+    """
     from deepinfer.gateway.images import OPENAI, resolve_images
 
     messages, fingerprint = await resolve_images(gw, request_id, messages, param, terms or OPENAI)
