@@ -168,7 +168,12 @@ def failover_requests(llava, salt: str, max_tokens: int) -> list[dict]:
             raise AssertionError("no padding gives the wanted layout")
         kw = dict(messages=[{"role": "user", "content": parts}], max_tokens=max_tokens,
                   extra_body={"ignore_eos": True, "cache_salt": salt, "return_token_ids": True})
-        kw.update(temperature=0.8, seed=77) if i == 3 else kw.update(temperature=0)
+        if i == 3:  # NOTE: top_k: the tiny random model's full distribution is near-uniform over 49k tokens,
+            # where float noise between a recompute and the original decode steps moves a seeded draw
+            kw.update(temperature=0.8, seed=77)
+            kw["extra_body"]["top_k"] = 5
+        else:
+            kw.update(temperature=0)
         reqs.append(kw)
     return reqs
 
@@ -220,7 +225,8 @@ def test_decode_worker_killed_mid_stream_image_requests_resume_with_the_same_tok
     reference, got, victim = asyncio.run(scenario())
     errors = [g for g in got if isinstance(g, BaseException)]
     assert not errors, errors
-    assert got == reference  # greedy and seeded, resumed or not: the uninterrupted tokens
+    for i, (g, r) in enumerate(zip(got, reference)):  # greedy and seeded, resumed or not: the uninterrupted tokens
+        assert g == r, f"stream {i}: first difference at token {next(k for k, (a, b) in enumerate(zip(g, r)) if a != b)}"
     survivor = next(p.name for p in m.processes["decode"] if p.name != victim.worker_id)
     resumed = log_count(m, "gateway-0", "failover_done")
     log = process(m, survivor).log_path.read_text()
