@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the storage tier's root, shared with prefill (env DEEPINFER_KV_ROOT)")
     p.add_argument("--dtype", default=os.environ.get("DEEPINFER_DTYPE", "float32"), help="vision tower dtype")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-image-bytes", type=int, default=os.environ.get("DEEPINFER_MAX_IMAGE_BYTES") or MAX_IMAGE_BYTES,
+    p.add_argument("--max-image-bytes", type=int,
+                   default=os.environ.get("DEEPINFER_MAX_IMAGE_BYTES") or MAX_IMAGE_BYTES,
                    help="largest image file accepted (env DEEPINFER_MAX_IMAGE_BYTES, as the gateway's; "
                         "NATS's max_payload bounds a whole request)")
     p.add_argument("--max-pixels", type=int, default=MAX_PIXELS, help="largest width x height accepted")
