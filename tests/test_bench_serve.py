@@ -287,6 +287,7 @@ def test_bad_command_lines_get_one_clear_error_not_a_traceback(tmp_path, capsys)
     for argv, message in ((["--burstiness", "0.5"], "--burstiness needs --arrival gamma"),
                           (["--dataset", "trace", "--request-rate", "2"], "scale them with --time-scale"),
                           (["--arrival", "fixed"], "--arrival fixed needs a --request-rate"),
+                          (["--prompts-per-concurrency", "4"], "--prompts-per-concurrency needs --max-concurrency"),
                           (["--dataset", "trace", "--trace", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
                           (["--url", "http://127.0.0.1:9", "--num-prompts", "1"], "error: ConnectError")):
         assert serve.main(argv + ["--out", out, "--no-progress"]) == 2, argv
@@ -329,20 +330,21 @@ def check_plausible(s: dict, completed: int) -> None:
 
 
 def test_bench_serve_on_the_real_mesh_writes_table_json_and_plots(mesh, tmp_path, capsys):
-    """SmolLM2 through the whole mesh: two chat conversations of two turns, at concurrency 1 then 2;
-    a second turn resends the first and its reply, so part of its prompt comes from the cache."""
+    """SmolLM2 through the whole mesh: chat conversations of two turns, at concurrency 1 (one
+    conversation) then 2 (two); a second turn resends the first and its reply, so part of its prompt
+    comes from the cache."""
     from deepinfer.bench import serve
 
     out = tmp_path / "out"
-    rc = serve.main(["--url", mesh.gateway_url, "--dataset", "multi-turn", "--num-prompts", "2", "--turns", "2",
-                     "--turn-len", "24", "--system-len", "16", "--output-len", "6", "--max-concurrency", "1", "2",
-                     "--slo-ttft", "30", "--out", str(out), "--no-progress"])
+    rc = serve.main(["--url", mesh.gateway_url, "--dataset", "multi-turn", "--turns", "2", "--turn-len", "24",
+                     "--system-len", "16", "--output-len", "6", "--max-concurrency", "1", "2",
+                     "--prompts-per-concurrency", "1", "--slo-ttft", "30", "--out", str(out), "--no-progress"])
     table = capsys.readouterr().out
     assert rc == 0, table
     doc = check_outputs(out, "serve")
     assert [r["label"] for r in doc["runs"]] == ["c=1", "c=2"] and doc["model"] == "SmolLM2-135M-Instruct"
-    for run in doc["runs"]:
-        check_plausible(run["summary"], 4)
+    for run, sessions in zip(doc["runs"], (1, 2)):
+        check_plausible(run["summary"], 2 * sessions)
         reqs = run["requests"]
         assert all(r["output_tokens"] == 6 for r in reqs)  # ignore_eos: exactly the length asked
         first = {r["session"]: r for r in reqs if r["turn"] == 0}

@@ -11,7 +11,7 @@ under an optional cap on concurrent requests, and reports the metrics of
 throughput; goodput under the SLOs given; cached-token share). Several
 ``--max-concurrency`` values make one run each, in order, with the seed plus the
 run's index (fresh prompts each, so no run finds the previous one's prefixes
-cached). Outputs: a progress bar (stderr), a table (stdout), ``<out>/serve.json``
+cached); ``--prompts-per-concurrency K`` sizes each run at K x its cap. Outputs: a progress bar (stderr), a table (stdout), ``<out>/serve.json``
 (args, every run's summary and requests), ``<out>/latency_cdf.png`` and
 ``<out>/throughput.png``. Definitions: docs/benchmarks.md.
 """
@@ -151,6 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the endpoint's first /v1/models)")
     p.add_argument("--max-concurrency", type=positive_int, nargs="+", default=None, metavar="N",
                    help="at most N requests in flight; several values run one after another (default: no cap)")
+    p.add_argument("--prompts-per-concurrency", type=positive_int, default=None, metavar="K",
+                   help="with --max-concurrency: each run sends K x N prompts (sessions) instead of --num-prompts, "
+                        "so every level runs about K waves")
     add_request_arguments(p)
     add_workload_arguments(p)
     g = p.add_argument_group("output")
@@ -168,14 +171,19 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "not --request-rate")
     if args.arrival == "fixed" and args.request_rate is None:
         raise ValueError("--arrival fixed needs a --request-rate")
+    if getattr(args, "prompts_per_concurrency", None) and (not args.max_concurrency or args.num_prompts
+                                                           or args.dataset == "trace"):
+        raise ValueError("--prompts-per-concurrency needs --max-concurrency, without --num-prompts, "
+                         "and a generated dataset (not trace)")
 
 
 # ------------------------------------------------------------------------------ workload
 
 
-def build_sessions(args: argparse.Namespace, seed: int) -> list[datasets.Session]:
-    """The workload the arguments describe, its prompts drawn with ``seed``."""
-    n = args.num_prompts or 100
+def build_sessions(args: argparse.Namespace, seed: int, n: int | None = None) -> list[datasets.Session]:
+    """The workload the arguments describe, its prompts drawn with ``seed``; ``n`` overrides
+    ``--num-prompts``."""
+    n = n or args.num_prompts or 100
     if args.dataset == "random":
         return datasets.random_sessions(n, args.input_len, args.output_len, args.range_ratio, seed)
     if args.dataset == "shared-prefix":
@@ -272,7 +280,9 @@ def write_outputs(out: Path, name: str, doc: dict, runs: list[tuple[str, Run]], 
 
 async def _run(args: argparse.Namespace) -> dict:
     levels = args.max_concurrency or [None]
-    workloads = [build_sessions(args, args.seed + i) for i in range(len(levels))]  # bad input fails here, first
+    k = args.prompts_per_concurrency
+    # bad input fails here, before any request
+    workloads = [build_sessions(args, args.seed + i, k * mc if k else None) for i, mc in enumerate(levels)]
     model = args.model or await served_model(args.url)
     target = make_target(args, args.url, model)
     runs, entries = [], []
