@@ -1,4 +1,5 @@
 """NATS mesh: connection with reconnect, typed request/reply, service lifecycle."""
 
-from deepinfer.mesh.client import MeshClient, MeshError, NoResponders, RemoteError, RequestTimeout  # noqa: F401
+from deepinfer.mesh.client import (MeshClient, MeshError, MessageTooLarge, NoResponders, RemoteError,  # noqa: F401
+                                   RequestTimeout)
 from deepinfer.mesh.service import Service, run_service  # noqa: F401

@@ -6,6 +6,11 @@ sender's ``traceparent`` header (with the message's ``request_id``, when it has
 one, on the span and bound into every log line the handler writes), and so that
 a handler that raises answers the requester with an ``ErrorReply`` instead of
 leaving it to time out.
+
+A message larger than the server's ``max_payload`` (NATS's default: 1 MiB) cannot be sent:
+``request`` and ``publish`` raise ``MessageTooLarge`` (the gateway answers 413), and a handler
+whose reply is too large answers a ``bad_request`` ``ErrorReply`` saying so instead of leaving the
+requester to time out (a reply's size follows from its request, e.g. the ids of a huge prompt).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from typing import Awaitable, Callable
 
 import nats
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 import structlog
 from opentelemetry import context as otel_context
@@ -38,6 +43,15 @@ class RequestTimeout(MeshError):
 
 class NoResponders(MeshError):
     """No service is subscribed to the subject (none running, or all dead)."""
+
+
+class MessageTooLarge(MeshError):
+    """The message is larger than the NATS server's ``max_payload``."""
+
+    def __init__(self, subject: str, size: int, limit: int):
+        super().__init__(f"a {size}-byte message on {subject} exceeds the mesh's {limit}-byte message limit")
+        self.size = size
+        self.limit = limit
 
 
 class RemoteError(MeshError):
@@ -88,17 +102,25 @@ class MeshClient:
         return cls(nc)
 
     async def publish(self, subject: str, msg) -> None:
-        await self.nc.publish(subject, pack(msg), headers=inject_headers())
+        """Send ``msg``. Raises MessageTooLarge."""
+        data = pack(msg)
+        try:
+            await self.nc.publish(subject, data, headers=inject_headers())
+        except MaxPayloadError:
+            raise MessageTooLarge(subject, len(data), self.nc.max_payload) from None
 
     @timed_request  # deepinfer_nats_request_seconds
     async def request(self, subject: str, msg, timeout: float, expect: type | None = None):
         """Send ``msg`` and wait for the reply message.
 
         Raises RequestTimeout, NoResponders, RemoteError (the handler failed or
-        answered ``ErrorReply``) or ProtocolError (an undecodable reply).
+        answered ``ErrorReply``), ProtocolError (an undecodable reply) or MessageTooLarge.
         """
+        data = pack(msg)
         try:
-            reply = await self.nc.request(subject, pack(msg), timeout=timeout, headers=inject_headers())
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=inject_headers())
+        except MaxPayloadError:
+            raise MessageTooLarge(subject, len(data), self.nc.max_payload) from None
         except NoRespondersError as e:
             raise NoResponders(f"no responders on {subject}") from e
         except (NatsTimeout, asyncio.TimeoutError) as e:
@@ -137,11 +159,19 @@ class MeshClient:
                         log.exception("handler_failed", subject=raw.subject)
                         result = ErrorReply(error=f"{type(e).__name__}: {e}")
                     if raw.reply and result is not None:
-                        await self.nc.publish(raw.reply, pack(result), headers=inject_headers())
+                        await self._reply(raw, result)
             finally:
                 otel_context.detach(token)
 
         return await self.nc.subscribe(subject, queue=queue, cb=cb)
+
+    async def _reply(self, raw, result) -> None:
+        data = pack(result)
+        if len(data) > self.nc.max_payload:  # NOTE: an answer the requester can act on, not a timeout
+            log.warning("reply_too_large", subject=raw.subject, bytes=len(data), limit=self.nc.max_payload)
+            data = pack(ErrorReply(error=f"the reply ({len(data)} bytes) exceeds the mesh's {self.nc.max_payload}-byte "
+                                         "message limit", kind="bad_request"))
+        await self.nc.publish(raw.reply, data, headers=inject_headers())
 
     async def drain(self) -> None:
         if not self.nc.is_closed:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
+from deepinfer.mesh import MessageTooLarge, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import ProtocolError
 from deepinfer.telemetry import get_logger
 
@@ -63,13 +63,22 @@ def internal(message: str, code: str = "internal_error") -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, code)
 
 
+def too_large(e: MessageTooLarge, param: str | None = None) -> OpenAIError:
+    """413 for a request whose message to a mesh service would not fit in one NATS message."""
+    return OpenAIError(413, f"the request is too large for the mesh ({e.size} bytes to send, at most {e.limit}); "
+                            "send a shorter prompt", "invalid_request_error", param, "request_too_large")
+
+
 @contextmanager
 def mesh_errors(role: str, name: str, timeout: float, param: str | None = None, code: str | None = None):
     """A request to a mesh service (``role``'s workers, called ``name`` in messages) whose failures
     become HTTP errors: no worker running, or no answer within ``timeout`` -> 503; the service's
-    ``bad_request`` -> 400 with its message (``param``, ``code``); its other errors or a bad reply -> 500."""
+    ``bad_request`` -> 400 with its message (``param``, ``code``); its other errors or a bad reply -> 500;
+    a request too large to send -> 413."""
     try:
         yield
+    except MessageTooLarge as e:
+        raise too_large(e, param) from None
     except NoResponders:
         raise unavailable(f"no {role} worker is running") from None
     except RequestTimeout:

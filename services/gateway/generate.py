@@ -144,6 +144,7 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
     })
     for c in choices:
         c.span = span
+    check_wire_ints(sampling)
     with tracer().start_as_current_span("gateway.admission"):
         plans = await admit(choices, prompt_ids, sampling)
     try:
@@ -312,9 +313,33 @@ def raise_if_failed(chunk: TokenChunk) -> None:
 
 
 def http_error(e: StreamError) -> OpenAIError:
-    if e.status == 400:
-        return bad_request(str(e), code=e.code)
+    if e.status < 500:
+        return OpenAIError(e.status, str(e), "invalid_request_error", None, e.code)
     return OpenAIError(e.status, str(e), "server_error", None, e.code)
+
+
+WIRE_INTS = (-(2**63), 2**64)  # integers msgpack carries: int64 and uint64
+
+
+def check_wire_ints(sampling: SamplingParams) -> None:
+    """400 naming the field when ``sampling`` holds an integer the wire cannot carry (msgpack's
+    64 bits; anywhere: lists, dict keys, a structured-output schema). Each API checks its own
+    ranges first; this is the backstop for what one leaves open (an Anthropic ``top_k`` of 2**64
+    failed the pack: a 500)."""
+    lo, hi = WIRE_INTS
+
+    def fits(v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, list, tuple, dict)):
+            return True
+        if isinstance(v, int):
+            return lo <= v < hi
+        if isinstance(v, dict):
+            return all(fits(k) and fits(x) for k, x in v.items())
+        return all(fits(x) for x in v)
+
+    for f in dataclasses.fields(sampling):
+        if not fits(getattr(sampling, f.name)):
+            raise bad_request(f"{f.name}: an integer is out of range (at most 64 bits)", param=f.name)
 
 
 

@@ -61,7 +61,7 @@ from deepinfer.gateway.dispatch import submit_prefill
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.router import Plan
 from deepinfer.kvstore.hashing import block_hashes
-from deepinfer.mesh import MeshClient, MeshError, NoResponders, RemoteError, RequestTimeout
+from deepinfer.mesh import MeshClient, MeshError, MessageTooLarge, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (
     AbortRequest,
     DecodeRequest,
@@ -173,6 +173,9 @@ class RequestStream:
                              images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         try:
             reply = await submit_prefill(self.mesh, req, plan, self.timeouts.submit_s)
+        except MessageTooLarge as e:  # e.g. a huge structured-output schema: no worker could take it
+            await self._fail()
+            raise StreamError(f"the request is too large for the mesh: {e}", code="request_too_large", status=413)
         except NoResponders:
             await self._fail()
             raise StreamError("no prefill worker is running")
