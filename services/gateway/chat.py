@@ -52,6 +52,10 @@ log = get_logger(__name__)
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# NOTE: the engine samples in float32: a temperature (or penalty) past its range turns every weight
+# into NaN, and the draw then picks a token the masks had ruled out (EOS under min_tokens, a token
+# a grammar forbids)
+FLOAT32_MAX = 3.4028234663852886e38
 _FIELD_NAMES = oai.field_names()
 
 
@@ -191,8 +195,8 @@ def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:
         value = getattr(req, name, None)
         if value is not None and value <= 0:
             raise bad_request(f"{name} must be at least 1, got {value}", param=name)
-    if req.temperature is not None and not (math.isfinite(req.temperature) and req.temperature >= 0):
-        raise bad_request(f"temperature must be >= 0, got {req.temperature}", param="temperature")
+    if req.temperature is not None and not (0 <= req.temperature < FLOAT32_MAX):
+        raise bad_request(f"temperature must be >= 0 (and a float32), got {req.temperature}", param="temperature")
     if req.top_p is not None and not (0 < req.top_p <= 1):
         raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
     if req.seed is not None and not (-(2**63) <= req.seed < 2**63):
@@ -203,9 +207,9 @@ def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:
         value = getattr(req, name)
         if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
             raise bad_request(f"{name} must be between -2 and 2, got {value}", param=name)
-    if req.repetition_penalty is not None and not (math.isfinite(req.repetition_penalty)
-                                                   and req.repetition_penalty > 0):
-        raise bad_request(f"repetition_penalty must be > 0, got {req.repetition_penalty}", param="repetition_penalty")
+    if req.repetition_penalty is not None and not (0 < req.repetition_penalty < FLOAT32_MAX):
+        raise bad_request(f"repetition_penalty must be > 0 (and a float32), got {req.repetition_penalty}",
+                          param="repetition_penalty")
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be -1 or 0 (off) or at least 1, got {req.top_k}", param="top_k")
     if req.min_p is not None and not (0 <= req.min_p <= 1):
