@@ -20,6 +20,7 @@ text (``gateway.structured``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -59,7 +60,7 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     structlog.contextvars.bind_contextvars(request_id=request_id)
     check_workers(gw.registry)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
-    prompt_ids = prompt_token_ids(req, gw)
+    prompt_ids = await prompt_token_ids(req, gw)
     want_logprobs = req.logprobs is not None
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len, logprobs=want_logprobs,
                                top_logprobs=req.logprobs or 0, prompt_param="prompt",
@@ -99,11 +100,20 @@ def validate(req: oai.CompletionRequest, gw: Gateway) -> None:
     validate_sampling(req, gw.model)
 
 
-def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
+async def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
+    """The prompt's ids: given, or a text prompt tokenized here, off the event loop (a long prompt
+    there stalled every other request for as long as it took: minutes for 30 MiB). A text longer
+    than any prompt that fits can be (``max_model_len`` tokens of the vocabulary's longest token,
+    with room for normalisation) is refused without tokenizing it."""
     if isinstance(req.prompt, list):
         ids = list(req.prompt)
     else:  # a ``tokenizers.Tokenizer`` returns an Encoding; a transformers tokenizer, a list of ids
-        enc = gw.model.tokenizer.encode(req.prompt)
+        limit = gw.model.max_model_len * longest_token_chars(gw.model.tokenizer) * 4
+        if len(req.prompt) > limit:
+            raise bad_request(f"This model's maximum context length is {gw.model.max_model_len} tokens, but the "
+                              f"prompt has {len(req.prompt)} characters: more tokens than that.",
+                              param="prompt", code="context_length_exceeded")
+        enc = await asyncio.to_thread(gw.model.tokenizer.encode, req.prompt)
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
@@ -114,6 +124,17 @@ def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
                           "takes no images: send images as image_url parts to /v1/chat/completions",
                           param="prompt", code="image_token_without_image")
     return ids
+
+
+_LONGEST: dict[int, int] = {}  # id(tokenizer) -> its longest token, in characters of its vocabulary
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (byte-level vocabularies: bytes, so at least as many)."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        _LONGEST[key] = max(map(len, tokenizer.get_vocab()), default=1) or 1
+    return _LONGEST[key]
 
 
 class _Completion:
