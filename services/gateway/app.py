@@ -5,7 +5,8 @@ Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
 (``responses_api.py``), POST /v1/messages (``anthropic_api.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
 worker are alive, else 503; the body counts live workers by role), GET /metrics
-(Prometheus text format: ``metrics.py``, docs/observability.md).
+(Prometheus text format: ``metrics.py``, docs/observability.md). GET /openapi.json describes them,
+request bodies included (``describe_request_bodies``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from deepinfer.gateway import metrics as gateway_metrics
 from deepinfer.gateway import openai_schema as oai
+from deepinfer.gateway.anthropic_api import CountTokensRequest, MessagesRequest
 from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
@@ -28,11 +32,17 @@ from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
 from deepinfer.gateway.registry import WorkerRegistry
+from deepinfer.gateway.responses_api import ResponsesRequest
 from deepinfer.gateway.responses_api import add_routes as add_responses_routes
 from deepinfer.mesh import MeshClient
 from deepinfer.telemetry import extract_context, get_logger, tracer
 
 log = get_logger(__name__)
+
+# POST routes -> the model their JSON body is parsed into (for the OpenAPI spec)
+REQUEST_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest,
+                  "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+                  "/v1/messages/count_tokens": CountTokensRequest}
 
 
 def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI:
@@ -73,6 +83,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
 
     add_responses_routes(app, gw)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
     add_anthropic_routes(app, gw)  # POST /v1/messages, /v1/messages/count_tokens
+    describe_request_bodies(app, REQUEST_BODIES)
 
     @app.get("/v1/models")
     async def list_models():
@@ -109,6 +120,26 @@ async def _kv_index_health(gw: Gateway) -> dict:
         return {"reachable": False, "redis_ok": None}
     return {"reachable": True, "redis_ok": h.redis_ok, "num_blocks": h.num_blocks, "total_bytes": h.total_bytes,
             "hit_rate": {cls: round(h.hit_rate(cls), 4) for cls in h.hit_stats}}
+
+
+def describe_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
+    """Put each POST route's JSON body schema (``bodies``: path -> request model) into the app's
+    OpenAPI spec. The handlers read and validate their bodies themselves (strict pydantic, each
+    API's error shape), so FastAPI would otherwise describe them as taking no body."""
+    make = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = make()  # FastAPI's spec, kept on app.openapi_schema
+            refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                            ref_template="#/components/schemas/{model}")
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            for path, model in bodies.items():
+                spec["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _card(gw: Gateway) -> dict:
