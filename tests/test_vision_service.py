@@ -127,6 +127,46 @@ async def test_embeddings_stay_out_of_the_kvindex(vision):
     assert [b.retention_class for b in scan_blocks(service.store.root)] == ["chat"]
 
 
+async def test_metrics_show_forwards_and_cache_hits_and_misses(vision):
+    """/metrics (the worker's metrics server, collected on the service's loop) counts vision forwards
+    and the tier's hits and misses: a new image is a miss and a forward, the same one again a hit."""
+    import asyncio
+
+    import httpx
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from deepinfer.launcher import free_port
+    from deepinfer.telemetry import metrics
+
+    service, client = vision
+    port = free_port()
+    server = metrics.start_metrics_server(port, metrics.ServiceCollector(service, asyncio.get_running_loop()),
+                                          addr="127.0.0.1", registry=CollectorRegistry(auto_describe=True))
+
+    async def scrape() -> dict[str, float]:
+        text = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/metrics", timeout=10)).text
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if not s.labels or s.name == "deepinfer_kvstore_reads_total" and s.labels == {"result": "hit"}}
+
+    try:
+        before = await scrape()
+        data = file_bytes(picture(21))
+        await encode(client, [data], rid="m1")
+        after_miss = await scrape()
+        await encode(client, [data, data], rid="m2")
+        after_hit = await scrape()
+    finally:
+        server.shutdown()
+    names = ("deepinfer_vision_forwards_total", "deepinfer_vision_cache_hits_total",
+             "deepinfer_vision_cache_misses_total", "deepinfer_vision_images_encoded_total",
+             "deepinfer_vision_requests_total")
+    moved = [[after[n] - prev[n] for n in names] for prev, after in ((before, after_miss), (after_miss, after_hit))]
+    assert moved == [[1, 0, 1, 1, 1], [0, 2, 0, 0, 1]]
+    assert after_hit["deepinfer_vision_forwards_total"] == service.forwards
+    assert after_hit["deepinfer_kvstore_reads_total"] > after_miss["deepinfer_kvstore_reads_total"]
+
+
 def truncated_png() -> bytes:
     data = file_bytes(picture(3, (64, 64)))
     return data[: len(data) // 2]

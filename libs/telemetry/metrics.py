@@ -14,8 +14,8 @@ Two kinds, so no hot loop gets metric code:
   ``ServiceCollector`` asks its service for ``metric_families()`` on the
   service's event loop (where ``load_report()`` and the handlers run) and the
   ``*_families`` functions below turn a ``LoadReport``, the storage tier's
-  ``StoreStats``, the speculative decoder's counters, ``KVIndexHealth`` or
-  ``BalancerStatus`` into metric families.
+  ``StoreStats``, the speculative decoder's counters, a vision worker's counters,
+  ``KVIndexHealth`` or ``BalancerStatus`` into metric families.
 
 Workers serve ``/metrics`` on ``--metrics-port`` (env ``DEEPINFER_METRICS_PORT``;
 0, the default, serves none, so many workers can share a host) through
@@ -261,6 +261,24 @@ def spec_decode_families(spec) -> list:
                  "accepted / draft)", spec.num_accepted_tokens),
         _counter("deepinfer_spec_decode_draft_sequences_total", "Request-steps verified with drafts (tokens "
                  "emitted = accepted + this)", getattr(spec, "num_spec_seqs", 0)),
+    ]
+
+
+def vision_families(s) -> list:
+    """A vision worker's counters (``VisionService``): forward passes of the vision tower, images
+    encoded, and lookups of images' embeddings in the storage tier (cache hits and misses)."""
+    return [
+        _gauge("deepinfer_vision_images_in_flight", "Images being encoded (the in-flight table)",
+               len(s.inflight)),
+        _counter("deepinfer_vision_requests_total", "Encode requests answered (bad images excluded)", s.requests),
+        _counter("deepinfer_vision_forwards_total", "Forward passes of the vision tower and projector", s.forwards),
+        _counter("deepinfer_vision_images_encoded_total", "Images encoded by a forward pass", s.images_encoded),
+        _counter("deepinfer_vision_cache_hits_total", "Images whose embeddings were found in the storage tier "
+                 "(hit rate = hits / (hits + misses))", s.cache_hits),
+        _counter("deepinfer_vision_cache_misses_total", "Images whose embeddings were not in the storage tier "
+                 "(encoded, or waited for another request's forward)", s.cache_misses),
+        _counter("deepinfer_vision_damaged_embeddings_total", "Stored embeddings found damaged (encoded again)",
+                 s.damaged),
     ]
 
 

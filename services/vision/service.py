@@ -25,7 +25,10 @@ and one KV prefix; decoding is needed anyway to validate the image. The hash cov
 ``b"deepinfer-image-v1" ‖ width ‖ height (LE u32) ‖ RGB bytes``.
 
 Load report: ``vision_forwards`` (tower forward passes), ``vision_images`` (images encoded) and
-``vision_cache_hits`` (images found in the tier) since start, ``finished_requests``.
+``vision_cache_hits`` (images found in the tier) since start, ``finished_requests``. The same
+counters, cache misses and the storage tier's traffic are on ``/metrics`` (``--metrics-port``):
+``deepinfer_vision_forwards_total``, ``deepinfer_vision_cache_hits_total``,
+``deepinfer_vision_cache_misses_total``, ... (``telemetry.metrics.vision_families``).
 
 Scaling: run more replicas; they share the queue group and the storage tier.
 """
@@ -121,7 +124,7 @@ class VisionService(Service):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="vision")  # one forward at a time
         self.io = ThreadPoolExecutor(2, thread_name_prefix="vision-io")
         self.inflight: dict[str, asyncio.Future] = {}
-        self.forwards = self.images_encoded = self.cache_hits = self.requests = 0
+        self.forwards = self.images_encoded = self.cache_hits = self.cache_misses = self.requests = 0
         self.damaged = 0  # stored embeddings found damaged (and encoded again)
 
     async def setup(self) -> None:
@@ -133,6 +136,14 @@ class VisionService(Service):
         return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=len(self.inflight),
                           steps=self.forwards, finished_requests=self.requests, vision_forwards=self.forwards,
                           vision_images=self.images_encoded, vision_cache_hits=self.cache_hits)
+
+    async def metric_families(self) -> list:
+        """The vision counters (forwards, images encoded, tier hits and misses) and the storage
+        tier's traffic, read at scrape time (``--metrics-port``)."""
+        from deepinfer.telemetry import metrics
+
+        return [*await super().metric_families(), *metrics.vision_families(self),
+                *metrics.store_families(self.store.stats.snapshot())]
 
     async def on_encode(self, req: VisionEncodeRequest):
         if self.draining:
@@ -176,6 +187,7 @@ class VisionService(Service):
         except Exception as e:
             return ErrorReply(error=f"vision encoder failed: {e}", kind="internal")
         self.cache_hits += sum(cached)
+        self.cache_misses += len(cached) - sum(cached)
         self.requests += 1
         log.info("images_encoded", request_id=req.request_id, images=len(hashes), cache_hits=sum(cached),
                  encoded=len(mine))
