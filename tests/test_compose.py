@@ -20,7 +20,10 @@ What is checked:
   path; NATS / Redis URLs name the nats (JetStream on) / redis services; the
   gateway listens on 0.0.0.0 at the published port; OTLP goes to the collector
   on the port of the protocol the code exports with; depends_on names exist;
-  scalable workers have replicas and no container_name / fixed host port;
+  scalable workers have replicas and no container_name / fixed host port; a
+  service only vision-language models can run (``cli.MULTIMODAL_ONLY``: vision,
+  whose worker writes image embeddings to the storage tier) sits behind a
+  compose profile, since the default model is text-only;
 * volumes: named volumes are declared, bind-mount sources and the build's
   Dockerfile exist;
 * Prometheus scrapes compose services on ports they listen on (the gateway's
@@ -62,9 +65,11 @@ DOCKERFILE = COMPOSE_DIR / "Dockerfile"
 SOURCE_DIRS = ("libs", "services", "kernels")
 
 # Services a deployment must run, and the engine workers among them (storage tier, metrics).
-REQUIRED = ("nats", "redis", "gateway", "tokenizer", "kvindex", "prefill", "decode")
-WORKERS = ("prefill", "decode")
-SCALABLE = ("tokenizer", "prefill", "decode")
+REQUIRED = ("nats", "redis", "gateway", "tokenizer", "kvindex", "prefill", "decode", "vision")
+# Workers that read or write the storage tier and serve metrics: the engine workers and the vision
+# workers (which write image embeddings to the tier for prefill to read).
+WORKERS = ("prefill", "decode", "vision")
+SCALABLE = ("tokenizer", "prefill", "decode", "vision")
 METRICS_PORT_ENV = "DEEPINFER_METRICS_PORT"
 # Ports the third-party images listen on (by image name, without tag).
 IMAGE_PORTS = {
@@ -516,6 +521,14 @@ def check_wiring(compose: dict, dockerfile: str, collector: dict) -> list[str]:
     for w in WORKERS:
         if w in parsed and w not in tiers:
             problems.append(f"{w}: not attached to the storage tier")
+    # vision workers refuse a text-only model (the default): started by default they would exit and
+    # restart forever, so they are opt-in (a compose profile)
+    from deepinfer import cli
+
+    for name, p in parsed.items():
+        if p.service in cli.MULTIMODAL_ONLY and not services[name].get("profiles"):
+            problems.append(f"{name}: `serve {p.service}` needs a vision-language model; without a profile it "
+                            "starts on the default text-only model and exits (restarting forever)")
     # NATS and Redis
     nats = services_by_image(compose, "nats")
     for name in nats:
@@ -992,6 +1005,19 @@ COMPOSE_BREAKAGES = {
     "the image built twice": (_add_service("tokenizer-2", ["serve", "tokenizer"], build=True), "wiring",
                               "built by ['gateway', 'tokenizer-2']"),
     "undeclared volume": (_set_volumes("prefill", ["kv-tier:/kvstore"]), "volumes", "volume kv-tier is not declared"),
+    "vision without the tier": (_set_volumes("vision", []), "wiring",
+                                "vision: --kv-root /kvstore is not a named volume"),
+    "vision on its own volume": (_set_volumes("vision", ["embeddings:/kvstore"]), "wiring",
+                                 "not one shared volume"),
+    "vision writing elsewhere": (_set_env("vision", "DEEPINFER_KV_ROOT", "/embeddings"), "wiring",
+                                 "vision: --kv-root /embeddings is not a named volume"),
+    "vision without replicas": (lambda c: c["services"]["vision"].pop("deploy"), "wiring",
+                                "vision: no deploy.replicas"),
+    "vision on by default": (lambda c: c["services"]["vision"].pop("profiles"), "wiring",
+                             "vision: `serve vision` needs a vision-language model"),
+    "vision left out": (lambda c: c["services"].pop("vision"), "commands", "services missing: ['vision']"),
+    "vision runs another service": (_set_command("vision", ["serve", "tokenizer"]), "commands",
+                                    "vision: runs `serve tokenizer`"),
     "missing bind mount": (_set_volumes("prometheus", ["./prometheus.yaml:/etc/prometheus/prometheus.yml:ro"]),
                            "volumes", "bind mount ./prometheus.yaml does not exist"),
 }
@@ -1032,6 +1058,14 @@ def test_prometheus_check_catches_wrong_targets(compose, dockerfile, pending):
     metrics_off["services"]["decode"]["environment"][METRICS_PORT_ENV] = "0"
     problems = check_prometheus(metrics_off, dockerfile, prom, pending)
     assert any("decode: serves no metrics" in p for p in problems), problems
+    vision_off = copy.deepcopy(compose)
+    vision_off["services"]["vision"]["environment"][METRICS_PORT_ENV] = "0"
+    problems = check_prometheus(vision_off, dockerfile, prom, pending)
+    assert any("vision: serves no metrics" in p for p in problems), problems
+    unscraped = copy.deepcopy(prom)
+    unscraped["scrape_configs"] = [j for j in prom["scrape_configs"] if j["job_name"] != "vision"]
+    problems = check_prometheus(compose, dockerfile, unscraped, pending)
+    assert any("vision: serves /metrics but Prometheus does not scrape it" in p for p in problems), problems
 
 
 def test_collector_check_catches_a_wrong_exporter(compose):
