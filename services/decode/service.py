@@ -30,8 +30,12 @@ Lifecycle of a request in this service:
      published on the request's stream subject, the last chunk with its
      finish reason; the request's blocks are freed.
 An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` (client gone,
-stop string matched, the gateway moved the request elsewhere) removes the
-request and frees its KV blocks.
+stop string matched, the gateway moved the request elsewhere, prefill gave up
+waiting for this worker's answer to a handoff) removes the request and frees its
+KV blocks. An id aborted before its submit arrived (still queued behind other
+submits) is remembered and its submit refused: prefill has handed the request to
+another worker by then, and a second copy would stream on the same subject
+until its last token.
 Draining (SIGTERM): the queue-group subscription is drained first, so new work
 goes to other workers; a submit on this worker's own subject is refused with
 "draining" (the sender tries another worker); running requests finish.
@@ -40,6 +44,7 @@ goes to other workers; a submit on this worker's own subject is refused with
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import torch
 from opentelemetry import trace
@@ -54,6 +59,8 @@ from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
+ABORTED_MEMORY = 4096  # request ids aborted before their submit arrived, remembered to refuse it
+
 
 def is_ephemeral(key: str) -> bool:
     return key.startswith("eph-")  # ``kvstore.ephemeral_key``
@@ -64,6 +71,7 @@ class DecodeService(EngineWorker):
 
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
+        self.aborted: OrderedDict[str, None] = OrderedDict()  # aborted before their submit arrived
         self.start_engine()
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
@@ -77,6 +85,8 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if req.request_id in self.requests:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
+        if req.request_id in self.aborted:
+            return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         if req.kv_block_keys and req.block_size != self.engine.config.block_size:
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
@@ -127,6 +137,10 @@ class DecodeService(EngineWorker):
         if self.requests.pop(msg.request_id, None) is not None:
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
+        else:  # not here (yet): refuse its submit if it arrives late
+            self.aborted[msg.request_id] = None
+            while len(self.aborted) > ABORTED_MEMORY:
+                self.aborted.popitem(last=False)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
