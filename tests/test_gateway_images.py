@@ -222,32 +222,83 @@ def truncated() -> bytes:
     return data[: len(data) // 2]
 
 
-BAD = {
-    "not an image": (lambda s: data_url(b"hello, I am text"), "not an image"),
-    "truncated": (lambda s: data_url(truncated()), "truncated"),
+URL_PARAM = "messages[0].content[1].image_url.url"  # the field holding the image's URL or data
+
+BAD = {  # case: (url, words of the message, code)
+    "not an image": (lambda s: data_url(b"hello, I am text"), "not an image", "invalid_image"),
+    "truncated": (lambda s: data_url(truncated()), "truncated", "invalid_image"),
     "unsupported format": (lambda s: data_url(file_bytes(picture(4), "TIFF"), "image/tiff"),
-                           "unsupported image format"),
-    "too many pixels": (lambda s: data_url(file_bytes(Image.new("RGB", (300, 300)))), "too many pixels"),
-    "too large": (lambda s: data_url(bytes(MAX_IMAGE_BYTES + 1)), "image too large"),
-    "bad base64": (lambda s: "data:image/png;base64,@@@not-base64@@@", "not valid base64"),
-    "not base64": (lambda s: "data:image/png,rawbytes", "must be base64"),
-    "unreachable": (lambda s: f"http://127.0.0.1:{free_port()}/x.png", "connection refused"),
-    "unresolvable": (lambda s: "http://no-such-host.invalid/x.png", "could not resolve host no-such-host.invalid"),
-    "http 404": (lambda s: f"{s}/missing.png", "HTTP 404"),
-    "remote too large": (lambda s: f"{s}/big.png", "image too large"),
-    "scheme": (lambda s: "ftp://example.com/x.png", "data: URL or an http(s) URL"),
+                           "unsupported image format", "invalid_image"),
+    "too many pixels": (lambda s: data_url(file_bytes(Image.new("RGB", (300, 300)))), "too many pixels",
+                        "image_too_large"),
+    "too large": (lambda s: data_url(bytes(MAX_IMAGE_BYTES + 1)), "image too large", "image_too_large"),
+    "bad base64": (lambda s: "data:image/png;base64,@@@not-base64@@@", "not valid base64", "invalid_image"),
+    "garbage among line breaks": (lambda s: "data:image/png;base64,iVBO\r\nR@@@\r\n", "not valid base64",
+                                  "invalid_image"),
+    "bad padding": (lambda s: "data:image/png;base64,iVBORw0KGgo", "not valid base64", "invalid_image"),
+    "not base64": (lambda s: "data:image/png,rawbytes", "must be base64", "invalid_image_url"),
+    "unreachable": (lambda s: f"http://127.0.0.1:{free_port()}/x.png", "connection refused", "image_fetch_failed"),
+    "unresolvable": (lambda s: "http://no-such-host.invalid/x.png", "could not resolve host no-such-host.invalid",
+                     "image_fetch_failed"),
+    "http 404": (lambda s: f"{s}/missing.png", "HTTP 404", "image_fetch_failed"),
+    "remote too large": (lambda s: f"{s}/big.png", "image too large", "image_too_large"),
+    "no host": (lambda s: "http:///x.png", "not an http(s) URL with a host", "invalid_image_url"),
+    "scheme": (lambda s: "ftp://example.com/x.png", "data: URL or an http(s) URL", "invalid_image_url"),
+    "empty": (lambda s: "", "must be a non-empty string", "invalid_image_url"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 async def test_bad_images_are_openai_400s(mesh, image_server, case):
     fakes, _, client, _ = mesh
-    url, message = BAD[case]
+    url, message, code = BAD[case]
     before = len(fakes.prefill_requests)
     r = await client.post("/v1/chat/completions", json=chat(url(image_server)))
-    err = assert_openai_error(r, 400, param="messages[0].content[1]")
+    err = assert_openai_error(r, 400, param=URL_PARAM, code=code)
     assert message in err["message"], err
     assert len(fakes.prefill_requests) == before
+
+
+def wrapped(data: bytes) -> str:
+    """MIME base64 (RFC 2045): lines of 76 characters ending in CRLF."""
+    text = base64.b64encode(data).decode()
+    return "\r\n".join(text[i : i + 76] for i in range(0, len(text), 76)) + "\r\n"
+
+
+@pytest.mark.parametrize("case", ["upper-case scheme", "line-wrapped base64", "text/plain media type",
+                                  "no media type"])
+async def test_lenient_data_urls_are_accepted(mesh, case):
+    # the scheme is case-insensitive (RFC 3986), MIME-wrapped base64 decodes, and the declared media
+    # type of an OpenAI data: URL is not checked (as OpenAI): the vision service judges the bytes
+    fakes, _, client, _ = mesh
+    pic = picture(31)
+    data = file_bytes(pic)
+    url = {"upper-case scheme": "DATA:image/png;BASE64," + base64.b64encode(data).decode(),
+           "line-wrapped base64": "data:image/png;base64," + wrapped(data),
+           "text/plain media type": data_url(data, "text/plain"),
+           "no media type": "data:;base64," + base64.b64encode(data).decode()}[case]
+    r = await client.post("/v1/chat/completions", json=chat(url))
+    assert r.status_code == 200, r.text
+    assert fakes.prefill_requests[-1].images[0][2] == image_hash(pic)
+
+
+def images_chat(n: int) -> dict:
+    url = data_url(file_bytes(picture(32)))
+    return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Compare these."}, *[{"type": "image_url", "image_url": {"url": url}}] * n]}]}
+
+
+async def test_too_many_images_is_a_400_naming_the_first_image_over_the_limit(mesh):
+    fakes, vision, client, _ = mesh
+    with settings(max_images=8):
+        requests = vision.requests
+        r = await client.post("/v1/chat/completions", json=images_chat(9))
+        err = assert_openai_error(r, 400, param="messages[0].content[9]", code="too_many_images")
+        assert "too many images: 9 (limit 8)" in err["message"]
+        assert vision.requests == requests  # refused before any image was sent to the vision service
+        r = await client.post("/v1/chat/completions", json=images_chat(8))
+        assert r.status_code == 200, r.text
+        assert len(fakes.prefill_requests[-1].images) == 8
 
 
 async def test_a_slow_remote_image_is_cut_by_one_deadline_for_the_whole_fetch(mesh, image_server):
@@ -255,7 +306,7 @@ async def test_a_slow_remote_image_is_cut_by_one_deadline_for_the_whole_fetch(me
     _, _, client, _ = mesh
     started = time.monotonic()
     r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/drip.png"))
-    err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_fetch_failed")
+    err = assert_openai_error(r, 400, param=URL_PARAM, code="image_fetch_failed")
     assert "no complete answer within 2 s" in err["message"]
     assert time.monotonic() - started < 2.0 + 1.5
 
@@ -270,7 +321,7 @@ async def test_remote_images_reach_only_public_addresses_by_default(mesh, image_
                          ("http://169.254.169.254/latest/meta-data/", "a link-local address"),
                          ("http://10.1.2.3/x.png", "a private address")):
             r = await client.post("/v1/chat/completions", json=chat(url))
-            err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+            err = assert_openai_error(r, 400, param=URL_PARAM, code="image_url_not_allowed")
             assert why in err["message"] and "--allow-private-image-urls" in err["message"], err
     assert len(image_server.hits) == asked  # refused before connecting
 
@@ -279,7 +330,7 @@ async def test_remote_images_can_be_turned_off_or_kept_to_listed_domains(mesh, i
     _, _, client, _ = mesh
     with settings(allow_remote_images=False):
         r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/pic.png"))
-        err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+        err = assert_openai_error(r, 400, param=URL_PARAM, code="image_url_not_allowed")
         assert "does not fetch remote image URLs" in err["message"]
         r = await client.post("/v1/chat/completions", json=chat(data_url(file_bytes(picture(9)))))
         assert r.status_code == 200, r.text  # data: URLs still work
@@ -289,7 +340,7 @@ async def test_remote_images_can_be_turned_off_or_kept_to_listed_domains(mesh, i
         assert r.status_code == 200, r.text
         for url in (f"{image_server}/pic.png", f"{local}/to/{image_server}/pic.png"):  # a redirect is checked too
             r = await client.post("/v1/chat/completions", json=chat(url))
-            err = assert_openai_error(r, 400, param="messages[0].content[1]", code="image_url_not_allowed")
+            err = assert_openai_error(r, 400, param=URL_PARAM, code="image_url_not_allowed")
             assert "images from 127.0.0.1 are not allowed (allowed domains: localhost)" in err["message"]
     r = await client.post("/v1/chat/completions", json=chat(f"{image_server}/to/{image_server}/pic.png"))
     assert r.status_code == 200, r.text  # redirects are followed
@@ -363,6 +414,68 @@ async def test_anthropic_image_blocks(mesh):
         assert message in err["message"]
 
 
+@pytest.fixture
+def anthropic_codes(monkeypatch):
+    """The (code, param) of each error the Anthropic API answers (its error shape has neither)."""
+    from deepinfer.gateway import anthropic_api
+
+    seen: list[tuple[str | None, str | None]] = []
+    body = anthropic_api.error_body
+
+    def recording(e):
+        seen.append((e.code, e.param))
+        return body(e)
+
+    monkeypatch.setattr(anthropic_api, "error_body", recording)
+    return seen
+
+
+async def test_anthropic_image_errors_have_codes_and_field_paths(mesh, image_server, anthropic_codes):
+    _, vision, client, _ = mesh
+    block = "messages.0.content.0"
+    bad_base64 = anthropic(b"")
+    bad_base64["messages"][0]["content"][0]["source"]["data"] = "@@@not-base64@@@"
+    remote = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": f"{image_server}/missing.png"}}]}]}
+    for body, message, code, param in (
+            (anthropic(b"not an image at all"), "not an image", "invalid_image", f"{block}.source.data"),
+            (anthropic(truncated()), "truncated", "invalid_image", f"{block}.source.data"),
+            (anthropic(bytes(MAX_IMAGE_BYTES + 1)), "image too large", "image_too_large", f"{block}.source.data"),
+            (bad_base64, "not valid base64", "invalid_image", f"{block}.source.data"),
+            (remote, "HTTP 404", "image_fetch_failed", f"{block}.source.url"),
+            (anthropic(file_bytes(picture(33), "JPEG"), media="image/png"),
+             "Image does not match the provided media type image/png", "invalid_image", f"{block}.source.media_type"),
+            (anthropic(file_bytes(picture(33), "GIF"), media="image/webp"),
+             "Image does not match the provided media type image/webp", "invalid_image",
+             f"{block}.source.media_type")):
+        del anthropic_codes[:]
+        r = await client.post("/v1/messages", json=body)
+        err = assert_anthropic_error(r, 400, "invalid_request_error")
+        assert message in err["message"], err
+        assert anthropic_codes == [(code, param)], (message, anthropic_codes)
+    # every declared type that matches is accepted; MIME-wrapped base64 too
+    for fmt, media in (("JPEG", "image/jpeg"), ("PNG", "image/png"), ("GIF", "image/gif"), ("WEBP", "image/webp")):
+        r = await client.post("/v1/messages", json=anthropic(file_bytes(picture(34), fmt), media=media))
+        assert r.status_code == 200, (fmt, r.text)
+    body = anthropic(b"")
+    body["messages"][0]["content"][0]["source"]["data"] = wrapped(file_bytes(picture(35)))
+    r = await client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    # too many images: the first block over the limit
+    with settings(max_images=8):
+        requests = vision.requests
+        body = anthropic(file_bytes(picture(36)))
+        body["messages"][0]["content"] = [body["messages"][0]["content"][0]] * 9 + [{"type": "text", "text": "?"}]
+        del anthropic_codes[:]
+        r = await client.post("/v1/messages", json=body)
+        assert "too many images: 9 (limit 8)" in assert_anthropic_error(r, 400, "invalid_request_error")["message"]
+        assert anthropic_codes == [("too_many_images", "messages.0.content.8")]
+        assert vision.requests == requests
+        body["messages"][0]["content"] = body["messages"][0]["content"][1:]
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+
+
 async def test_anthropic_image_errors_use_anthropic_terms(mesh, image_server):
     _, _, client, _ = mesh
 
@@ -401,17 +514,27 @@ async def test_responses_input_image_with_the_openai_client(mesh, image_server):
         req = fakes.prefill_requests[-1]
         assert req.images[0][2] == image_hash(pic) and len(req.images) == 1
         assert req.prompt_token_ids.count(fakes.recipe.image_token_id) == 16
-    # errors in the Responses API's words, naming the input part (after instructions, too)
-    for part, message in (({"type": "input_image", "image_url": "data:image/png;base64,@@@"},
-                           "input_image: the data: URL is not valid base64"),
-                          ({"type": "input_image", "image_url": "ftp://example.com/x.png"},
-                           "input_image.image_url must be a data: URL or an http(s) URL"),
-                          ({"type": "input_image", "image_url": f"{image_server}/missing.png"},
-                           "could not fetch input_image.image_url: HTTP 404"),
-                          ({"type": "input_image", "image_url": data_url(b"plain text")}, "not an image")):
+    # errors in the Responses API's words, naming the input part's image_url (after instructions, too)
+    for part, message, code in (
+            ({"type": "input_image", "image_url": "data:image/png;base64,@@@"},
+             "input_image: the data: URL is not valid base64", "invalid_image"),
+            ({"type": "input_image", "image_url": "data:image/png,raw"}, "input_image: a data: URL must be base64",
+             "invalid_image_url"),
+            ({"type": "input_image", "image_url": "ftp://example.com/x.png"},
+             "input_image.image_url must be a data: URL or an http(s) URL", "invalid_image_url"),
+            ({"type": "input_image", "image_url": f"{image_server}/missing.png"},
+             "could not fetch input_image.image_url: HTTP 404", "image_fetch_failed"),
+            ({"type": "input_image", "image_url": data_url(bytes(MAX_IMAGE_BYTES + 1))}, "image too large",
+             "image_too_large"),
+            ({"type": "input_image", "image_url": data_url(b"plain text")}, "not an image", "invalid_image")):
         r = await client.post("/v1/responses", json=responses_input(part, instructions="Be brief."))
-        err = assert_openai_error(r, 400, param="input[0].content[1]")
+        err = assert_openai_error(r, 400, param="input[0].content[1].image_url", code=code)
         assert message in err["message"], err
+    with settings(max_images=8):
+        part = {"type": "input_image", "image_url": data_url(file_bytes(picture(12)))}
+        r = await client.post("/v1/responses", json=responses_input(*[part] * 9))
+        err = assert_openai_error(r, 400, param="input[0].content[9]", code="too_many_images")
+        assert "too many images: 9 (limit 8)" in err["message"]
     r = await client.post("/v1/responses", json=responses_input({"type": "input_image", "file_id": "file-1"}))
     err = assert_openai_error(r, 400, param="input[0].content[1]")
     assert "file_id is not supported" in err["message"]
@@ -420,7 +543,7 @@ async def test_responses_input_image_with_the_openai_client(mesh, image_server):
 async def test_text_only_models_refuse_images(mesh):
     fakes, _, _, text_client = mesh
     r = await text_client.post("/v1/chat/completions", json=chat(data_url(file_bytes(picture(7)))))
-    err = assert_openai_error(r, 400, param="messages[0].content[1]")
+    err = assert_openai_error(r, 400, param="messages[0].content[1]", code="images_not_supported")
     assert "text-only" in err["message"] and "image" in err["message"]
     r = await text_client.post("/v1/messages", json=anthropic(file_bytes(picture(7))))
     assert "text-only" in assert_anthropic_error(r, 400, "invalid_request_error")["message"]

@@ -313,7 +313,12 @@ def template_messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
             parts = []  # images: the parts in order (tool results are not mixed with images here)
             for j, b in enumerate(m.content):
                 if isinstance(b, ImageBlock):
-                    parts.append({"type": "image_url", "url": b.url(), "param": f"messages.{k}.content.{j}"})
+                    at = f"messages.{k}.content.{j}"
+                    part = {"type": "image_url", "url": b.url(), "param": at,
+                            "url_param": f"{at}.source.{'data' if b.source.type == 'base64' else 'url'}"}
+                    if b.source.type == "base64":  # checked against the image's actual format
+                        part |= {"media_type": b.source.media_type, "media_param": f"{at}.source.media_type"}
+                    parts.append(part)
                 elif isinstance(b, TextBlock):
                     parts.append({"type": "text", "text": b.text})
                 else:

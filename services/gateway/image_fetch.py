@@ -27,7 +27,9 @@ How ``fetch`` runs, all within one deadline of ``timeout_s`` (DNS, connects, red
   4. the body: ``Content-Length`` and the bytes read bounded by ``max_bytes``.
 
 Every failure is a 400 whose message says what happened: "no complete answer within 2 s",
-"could not resolve host ...", "connection refused by ...", "HTTP 404", "... is a private address".
+"could not resolve host ...", "connection refused by ...", "HTTP 404", "... is a private address";
+its code: ``image_url_not_allowed`` (the policy), ``invalid_image_url`` (no host, a bad port),
+``image_too_large`` (the body), else ``image_fetch_failed``.
 NOTE: the connection never goes through an HTTP proxy (the environment's proxy variables are
 ignored): the address check is on the image host itself.
 """
@@ -80,7 +82,7 @@ def check_url(url: str, policy: RemotePolicy) -> None:
     """The URL's shape and host against the policy (before any connection). Raises Refused."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise Refused(f"{url[:100]!r} is not an http(s) URL with a host")
+        raise Refused(f"{url[:100]!r} is not an http(s) URL with a host", code="invalid_image_url")
     if not policy.allow_remote:
         raise Refused("this server does not fetch remote image URLs (--no-allow-remote-images); "
                       "send the image as a data: URL", code="image_url_not_allowed")
@@ -90,7 +92,7 @@ def check_url(url: str, policy: RemotePolicy) -> None:
     try:
         parts.port
     except ValueError:
-        raise Refused(f"{url[:100]!r} has an invalid port") from None
+        raise Refused(f"{url[:100]!r} has an invalid port", code="invalid_image_url") from None
 
 
 class _CheckedBackend(httpcore.AsyncNetworkBackend):
