@@ -10,7 +10,8 @@ runs on for 30 s and more at its 1,500 output tokens: far past the bounds below.
 - cancellation: 1,000 streaming requests over the four APIs, dropped by the client at random
   points (a random time, or after a random number of SSE events); then every worker's KV blocks
   in use, running and waiting requests (their Prometheus metrics) are back to the idle baseline,
-  the gateway has no stream open, and it still answers.
+  the gateway has no stream open, and it still answers. (It found a decode worker running a
+  handoff whose abort had come first: ``test_reliability_handoff``.)
 - overload: a second gateway with a TTFT SLO and an in-flight limit, arrivals at 5x what the
   prefill workers can do: the excess gets 429 + Retry-After in each API's error shape, every
   admitted request completes within the stated bounds, the gateway's RSS stays bounded.
