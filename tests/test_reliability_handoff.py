@@ -7,8 +7,10 @@ earlier submits: prefill then sends it an abort and hands the request to the que
 reached the worker before the submit did, found nothing to drop and was forgotten; the late submit
 then ran. Two decode workers streamed the same request on one subject, the gateway (aborting the one
 it watched when the client left) let the other run to its last token: 3 of 1,000 cancelled streams,
-one still holding 109 KV blocks 16 s later. A decode worker now remembers ids aborted before their
-submit and refuses it.
+one still holding 109 KV blocks 16 s later. Prefill's abort now names its handoff attempt, and a
+decode worker remembers an attempt aborted before its submit and refuses that submit, while the
+retry through the queue group (the next attempt, which may land on the same worker: a mesh with one
+decode worker relies on it) and the gateway's resumes are still taken.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ def nats_url(tmp_path):
     proc.stop()
 
 
-def decode_request(request_id: str) -> DecodeRequest:
+def decode_request(request_id: str, attempt: int = 0) -> DecodeRequest:
     return DecodeRequest(request_id=request_id, prompt_token_ids=list(range(300, 340)), output_token_ids=[500],
                          sampling=SamplingParams(max_tokens=200, ignore_eos=True),
-                         stream_subject=subjects.stream(request_id), kv_block_keys=[], num_kv_tokens=0, block_size=16)
+                         stream_subject=subjects.stream(request_id), kv_block_keys=[], num_kv_tokens=0, block_size=16,
+                         attempt=attempt)
 
 
 async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_url, tmp_path):
@@ -44,24 +47,36 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
                             "decode-t", mock=MockConfig(cost=(0.001, 1e-6, 0.0, 0.0)), heartbeat_s=0.5)
     await service.start()
     client = await MeshClient.connect(nats_url, "handoff-test")
-    chunks: dict[str, list] = {"late": [], "normal": []}
+    chunks: dict[str, list] = {"late": [], "normal": [], "gone": []}
     try:
         for rid in chunks:
             async def record(m, rid=rid):
                 chunks[rid].append(unpack(m.data, expect=TokenChunk))
 
             await client.nc.subscribe(subjects.stream(rid), cb=record)
-        await client.publish(subjects.abort("decode", "decode-t"), AbortRequest("late"))  # prefill gave up first
+        abort = subjects.abort("decode", "decode-t")
+        await client.publish(abort, AbortRequest("late", attempt=0))  # prefill gave up on its targeted handoff
+        await client.publish(abort, AbortRequest("gone", attempt=-1))  # a gateway abort of an id not here
         await client.nc.flush()
         await asyncio.sleep(0.2)
-        late = await client.request(subjects.decode_submit("decode-t"), decode_request("late"), timeout=10,
-                                    expect=SubmitReply)
-        normal = await client.request(subjects.decode_submit("decode-t"), decode_request("normal"), timeout=10,
-                                      expect=SubmitReply)
-        await asyncio.sleep(0.5)
+
+        async def submit(rid: str, attempt: int = 0) -> SubmitReply:
+            return await client.request(subjects.decode_submit("decode-t"), decode_request(rid, attempt), timeout=10,
+                                        expect=SubmitReply)
+
+        late = await submit("late")
+        await asyncio.sleep(0.3)
         assert (late.accepted, late.error) == (False, "aborted")
         assert chunks["late"] == [] and "late" not in service.requests
-        assert normal.accepted and len(chunks["normal"]) > 1  # the worker still takes other requests
+        retry = await submit("late", attempt=1)  # prefill's retry through the queue group landed here
+        assert retry.accepted and service.requests["late"].attempt == 1
+        await client.publish(abort, AbortRequest("late", attempt=0))  # a late copy of the first abort: no effect
+        normal, gone = await submit("normal"), await submit("gone")
+        await asyncio.sleep(0.5)
+        assert "late" in service.requests and len(chunks["late"]) > 1
+        assert normal.accepted and len(chunks["normal"]) > 1 and gone.accepted
+        for rid in ("late", "gone"):
+            await client.publish(abort, AbortRequest(rid))
         await client.publish(subjects.abort("decode", "decode-t"), AbortRequest("normal"))  # and drops them
         await client.nc.flush()
         for _ in range(100):

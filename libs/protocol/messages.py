@@ -218,6 +218,7 @@ class DecodeRequest:
     # that recomputes part of the prompt (a resume) reads them from the storage tier
     images: list[list] = field(default_factory=list)
     embeddings_fingerprint: str = ""
+    attempt: int = 0  # prefill's handoff attempt: 0 to its chosen worker, 1 to the queue group after that
 
     NESTED: ClassVar[dict] = {"sampling": SamplingParams}
 
@@ -236,8 +237,8 @@ class AbortRequest:
     """gateway -> worker: stop this request and free its KV blocks.
 
     attempt: only the prefill submit with this ``PrefillRequest.attempt`` (a targeted submit
-    that timed out, so a later attempt of the same request may still land on this worker);
-    -1 = any attempt."""
+    that timed out, so a later attempt of the same request may still land on this worker), or
+    the decode handoff with this ``DecodeRequest.attempt`` (prefill's, likewise); -1 = any attempt."""
 
     request_id: str
     attempt: int = -1

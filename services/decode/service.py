@@ -32,10 +32,12 @@ Lifecycle of a request in this service:
 An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` (client gone,
 stop string matched, the gateway moved the request elsewhere, prefill gave up
 waiting for this worker's answer to a handoff) removes the request and frees its
-KV blocks. An id aborted before its submit arrived (still queued behind other
-submits) is remembered and its submit refused: prefill has handed the request to
-another worker by then, and a second copy would stream on the same subject
-until its last token.
+KV blocks. An abort of one handoff attempt (``AbortRequest.attempt``: prefill's
+targeted handoff that timed out) that arrives before that submit (still queued
+behind other submits) is remembered and the submit refused: prefill has handed
+the request to the queue group by then, and a second copy would stream on the
+same subject until its last token. Later attempts of the request (prefill's
+retry through the queue group, the gateway's resumes) may still land here.
 Draining (SIGTERM): the queue-group subscription is drained first, so new work
 goes to other workers; a submit on this worker's own subject is refused with
 "draining" (the sender tries another worker); running requests finish.
@@ -59,7 +61,7 @@ from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
-ABORTED_MEMORY = 4096  # request ids aborted before their submit arrived, remembered to refuse it
+ABORTED_MEMORY = 4096  # (request id, handoff attempt) aborted before their submit arrived: refused
 
 
 def is_ephemeral(key: str) -> bool:
@@ -71,7 +73,7 @@ class DecodeService(EngineWorker):
 
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
-        self.aborted: OrderedDict[str, None] = OrderedDict()  # aborted before their submit arrived
+        self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # attempts aborted before arriving
         self.start_engine()
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
@@ -85,7 +87,7 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if req.request_id in self.requests:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
-        if req.request_id in self.aborted:
+        if (req.request_id, req.attempt) in self.aborted:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         if req.kv_block_keys and req.block_size != self.engine.config.block_size:
             return SubmitReply(accepted=False, worker_id=self.worker_id,
@@ -134,11 +136,13 @@ class DecodeService(EngineWorker):
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
     async def on_abort(self, msg: AbortRequest) -> None:
-        if self.requests.pop(msg.request_id, None) is not None:
+        running = self.requests.get(msg.request_id)
+        if running is not None and msg.attempt in (-1, running.attempt):
+            del self.requests[msg.request_id]
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
-        else:  # not here (yet): refuse its submit if it arrives late
-            self.aborted[msg.request_id] = None
+        elif msg.attempt >= 0:  # that attempt is not here (yet): refuse its submit if it arrives late
+            self.aborted[(msg.request_id, msg.attempt)] = None
             while len(self.aborted) > ABORTED_MEMORY:
                 self.aborted.popitem(last=False)
 

@@ -404,7 +404,7 @@ class RequestStream:
             output_token_ids=list(self.output_token_ids), sampling=self.sampling,
             stream_subject=subjects.stream(self.request_id), kv_block_keys=keys, num_kv_tokens=len(keys) * bs,
             block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt, images=self.images,
-            embeddings_fingerprint=self.embeddings_fingerprint,
+            embeddings_fingerprint=self.embeddings_fingerprint, attempt=100 + self.failovers,
         )
         subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)

@@ -47,6 +47,7 @@ process, and the gateway re-dispatches it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 
@@ -302,12 +303,15 @@ class PrefillService(EngineWorker):
                     return reply
                 why = f"refused: {reply.error}"
             except RequestTimeout:
-                await self.mesh.publish(subjects.abort("decode", req.decode_worker), AbortRequest(req.request_id))
+                # NOTE: this attempt only: the queue group below may pick the same (slow) worker
+                await self.mesh.publish(subjects.abort("decode", req.decode_worker),
+                                        AbortRequest(req.request_id, handoff.attempt))
                 why = "no answer in time"
             except (MeshError, ProtocolError) as e:
                 why = f"{type(e).__name__}: {e}"
             log.info("decode_target_fallback", request_id=req.request_id, worker=req.decode_worker, reason=why)
-        return await self.mesh.request(subjects.DECODE_SUBMIT, handoff, HANDOFF_TIMEOUT_S, expect=SubmitReply)
+        return await self.mesh.request(subjects.DECODE_SUBMIT, dataclasses.replace(handoff, attempt=handoff.attempt + 1),
+                                       HANDOFF_TIMEOUT_S, expect=SubmitReply)
 
     async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
