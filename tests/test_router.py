@@ -502,7 +502,8 @@ async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_grou
         assert (await PrefillService.hand_off(SimpleNamespace(mesh=mesh), chosen, handoff)).worker_id == "d2"
         assert mesh.calls == [subjects.decode_submit("d1"), subjects.DECODE_SUBMIT]
         timed_out = isinstance(failure, RequestTimeout)
-        assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r"))] if timed_out else [])
+        # the abort names the timed-out attempt (0) only: the retry (attempt 1) may land on d1 again
+        assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r", 0))] if timed_out else [])
     unchosen = FakeMesh({subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
     no_choice = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r")
     assert (await PrefillService.hand_off(SimpleNamespace(mesh=unchosen), no_choice, handoff)).worker_id == "d2"
