@@ -155,3 +155,21 @@ def test_lru_evicts_least_recently_freed_cached_blocks_first():
     bm.allocate(grab, 4)  # takes 2 blocks: old's are evicted, new's survive
     assert bm.find_cached_prefix(Sequence("n2", [5, 6, 7, 8, 9], 5, SamplingParams())) != []
     assert bm.find_cached_prefix(Sequence("o2", [1, 2, 3, 4, 9], 5, SamplingParams())) == []
+
+
+def test_chunk_time_is_floored_at_the_fixed_step_cost():
+    """A fixed cost near the budget must not shrink every chunk to min_chunk (docs/benchmarks.md)."""
+    cost = StepCostModel(a=0.2, b=1e-3, d=0.0)  # 0.2 s per step of a 0.25 s budget
+    _, s = make(num_blocks=512, block_size=4, budget=10_000, time_budget=0.25, cost=cost)
+    long = seq("long", 1000)
+    s.add(long)
+    s.schedule()
+    assert long.num_scheduled_tokens == 200  # 0.2 s of tokens at 1 ms each, not 0.05 s (50)
+    cost.a = 0.05  # a small fixed cost: the budget less it
+    s.postprocess([long], {})
+    s.schedule()
+    assert long.num_scheduled_tokens == 200  # 0.25 - 0.05 = 0.2 s
+    cost.a = 0.01
+    s.postprocess([long], {})
+    s.schedule()
+    assert long.num_scheduled_tokens == 240

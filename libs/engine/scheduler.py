@@ -14,6 +14,8 @@ Budgets per step: ``max_num_batched_tokens`` new tokens (memory), and, for
 prefill chunks, ``step_time_budget_s`` of predicted compute from the
 ``StepCostModel`` (TECHNIQUES §3): each chunk is the largest that still fits
 the time left, so a chunk at a long context is shorter than one at context 0.
+The time for new tokens is the budget less the fixed step cost, floored at
+that fixed cost (``_chunk_time``).
 Decode tokens are always scheduled (decodes are never starved by prefills);
 if the step has no prefill work yet, a chunk of at least ``min_chunk`` tokens
 is taken so prefills always progress. While requests wait, a running prefill
@@ -86,6 +88,26 @@ class Scheduler:
             fit = max(fit, self.min_chunk)
         return min(n, fit)
 
+    def _chunk_time(self) -> float | None:
+        """Seconds of predicted compute the step's new tokens may take (None = no limit).
+
+        The budget less the fixed step cost ``a``, but never less than ``a``:
+        when ``a`` nearly fills the budget (a slow or shared CPU, or a fit
+        under contention), ``budget - a`` would cut every chunk to
+        ``min_chunk`` and spend most of each step on fixed cost. Measured on
+        the real mesh (docs/benchmarks.md): ``a`` fitted at 0.198 s against a
+        0.25 s budget gave 887 prefill steps of ~15 tokens for 13,464 prompt
+        tokens. With the floor, a step spends at least half its time on tokens
+        (steps then take up to ``2a``, over the budget, by design). The floor
+        also keeps chunk sizes varied, so the online fit can tell ``a`` from
+        ``b`` again (steps that all feed ``min_chunk`` tokens cannot).
+        """
+        budget = self.step_time_budget_s
+        if budget is None:
+            return None
+        a = self.cost_model.a
+        return max(budget - a, a)
+
     def _ends_after_inflight(self, seq: Sequence) -> bool:
         """Whether the token being sampled for ``seq`` certainly finishes it."""
         if not seq.num_inflight_tokens:
@@ -98,8 +120,7 @@ class Scheduler:
         self.blocked = False
         bm = self.block_manager
         tokens_left = self.max_num_batched_tokens
-        budget = self.step_time_budget_s
-        time_left = None if budget is None else budget - self.cost_model.a
+        time_left = self._chunk_time()
         has_prefill = False
         scheduled: list[Sequence] = []
 
