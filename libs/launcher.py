@@ -619,18 +619,19 @@ class Mesh:
                 time.sleep(0.25)
 
     def stop(self, timeout: float = 10) -> None:
-        """Stop the services (in reverse start order), then redis, then nats. Idempotent."""
+        """Stop the services (all at once, in reverse start order), then redis, then nats. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         _live_meshes.discard(self)
         try:
-            for svc in reversed(list(self.processes)):
-                procs = self.processes[svc]
-                for p in procs:  # let all replicas drain at the same time
-                    p.terminate()
-                for p in procs:
-                    p.stop(timeout)
+            # NOTE: every service drains at the same time (the gateway signalled first): one
+            # service after another took the sum of their drains (~10 s of a mock mesh's stop)
+            procs = [p for svc in reversed(list(self.processes)) for p in self.processes[svc]]
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.stop(timeout)
             for infra in (self.redis, self.nats):
                 if infra is not None:
                     infra.stop(timeout)

@@ -95,6 +95,7 @@ class KVIndexService(Service):
         self._replay_lock = asyncio.Lock()
         self._replay_pending: set[str | None] = set()
         self._replay_task: asyncio.Task | None = None
+        self._events_sub = None  # the JetStream pull subscription of KV events
         self._maint_lock = asyncio.Lock()
         self._stopping = False
 
@@ -282,8 +283,8 @@ class KVIndexService(Service):
         while not self._stopping:
             try:
                 await ensure_kv_events_stream(js)
-                psub = await js.pull_subscribe(subjects.KV_EVENTS_ALL, durable=self.config.durable,
-                                               stream=subjects.KV_EVENTS_STREAM)
+                psub = self._events_sub = await js.pull_subscribe(
+                    subjects.KV_EVENTS_ALL, durable=self.config.durable, stream=subjects.KV_EVENTS_STREAM)
                 break
             except Exception as e:  # JetStream not reachable yet
                 log.warning("kv_events_subscribe_failed", error=str(e))
@@ -341,6 +342,13 @@ class KVIndexService(Service):
             _, pending = await asyncio.wait(tasks, timeout=3.0)
             if pending:
                 log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
+        if self._events_sub is not None:
+            # NOTE: left subscribed, the pull subscription held the connection's drain for its whole
+            # 5 s bound at every stop; unacked events stay in the durable consumer for the next start
+            try:
+                await self._events_sub.unsubscribe()
+            except Exception as e:
+                log.warning("kv_events_unsubscribe_failed", error=str(e))
 
     async def teardown(self) -> None:
         if self.redis is not None:
