@@ -63,6 +63,9 @@ class AttentionMetadata:
         (0 for padded rows); needed only by ``mask(window)``.
     key_positions: [B, L_max] int64, absolute position of each key column.
     key_lens: keys gathered per sequence (context length minus released blocks).
+    key_starts: first key position each sequence may attend (empty: 0 for all).
+    kernel_inputs: per-step tensors a kernel derives from the above, built on first
+        use and shared by every layer (``triton_attention.seq_info``).
     """
 
     slot_mapping: torch.Tensor
@@ -80,6 +83,8 @@ class AttentionMetadata:
     context_lens: list[int] = field(default_factory=list)
     key_positions: torch.Tensor | None = None
     key_lens: list[int] = field(default_factory=list)
+    key_starts: list[int] = field(default_factory=list)
+    kernel_inputs: dict = field(default_factory=dict, repr=False)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _groups: dict[int, list] = field(default_factory=dict, repr=False)
 
@@ -165,7 +170,7 @@ def build_metadata(
     return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq,
                              query_positions=torch.where(qvalid, qpos, 0), per_sequence=per_sequence,
                              query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables,
-                             key_positions=pos, key_lens=key_lens)
+                             key_positions=pos, key_lens=key_lens, key_starts=list(key_starts or []))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

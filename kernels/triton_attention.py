@@ -134,7 +134,7 @@ def seq_info(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tenso
         b = meta.num_seqs
         q_lens = torch.tensor(meta.query_lens, dtype=torch.int64)
         starts = q_lens.cumsum(0) - q_lens
-        first = meta.key_positions[:, 0].to(torch.int64)
+        first = meta.key_positions[:, 0].to(device="cpu", dtype=torch.int64)
         key_starts = torch.tensor(meta.key_starts or [0] * b, dtype=torch.int64)
         info = torch.stack([starts, q_lens, torch.tensor(meta.context_lens, dtype=torch.int64), first, key_starts], 1)
         got = meta.kernel_inputs[key] = (info.to(device=device, dtype=torch.int32),
@@ -152,7 +152,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tokens; ``sinks`` [H] logits). The new tokens' K/V must already be stored.
     ``block_m`` / ``block_n``: tile rows (queries x heads of a group) and key
     columns, powers of two (defaults: decode 16 x 64, prefill 64 x 64; tests
-    shrink them). Raises ValueError when H is not a multiple of Hkv, or the
+    shrink them; at least 16 each on a GPU). Raises ValueError when H is not a multiple of Hkv, or the
     tensors are not on one device.
     """
     t, h, d = q.shape
@@ -167,6 +167,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bm = max(bm, triton.next_power_of_2(group))
     block_q = 1 if decode else bm // group
     bn = block_n or 64
+    if q.is_cuda:  # tl.dot needs 16 or more rows, columns and depth on GPUs (the interpreter does not)
+        bm, bn = max(bm, 16), max(bn, 16)
     info, tables = seq_info(meta, q.device)
     q = q.contiguous() if q.stride(-1) != 1 else q
     out = torch.empty_like(q)

@@ -104,9 +104,12 @@ def grouped_gemm(a: torch.Tensor, a_rows: torch.Tensor, pair_of_row: torch.Tenso
     ``a`` [M, K]; ``a_rows`` [P] int64 (row of ``a`` each pair reads); ``pair_of_row``,
     ``block_slot``: ``align_by_slot``'s layout for ``block_m``; ``w`` [R, K, N] (any
     strides: pass ``weight.transpose(1, 2)`` for ``[R, N, K]`` storage); ``bias`` [R, N];
-    ``scale`` [P] (float). Output dtype: ``a``'s. Raises ValueError on mismatched K.
+    ``scale`` [P] (float). Output dtype: ``a``'s. Raises ValueError on mismatched K, or
+    blocks under 16 on a GPU.
     """
     k, n = w.shape[1], w.shape[2]
+    if a.is_cuda and min(block_m, block_n, block_k) < 16:
+        raise ValueError("tl.dot needs blocks of 16 or more on a GPU")
     if a.shape[1] != k:
         raise ValueError(f"a has {a.shape[1]} columns, w expects {k}")
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)

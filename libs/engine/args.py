@@ -68,6 +68,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(write one with: python -m deepinfer.engine.mock fit --out FILE)")
     p.add_argument("--mock-eos-rate", type=float, default=0.0,
                    help="fraction of mock tokens that are EOS (default 0: never)")
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"],
+                   default=os.environ.get("DEEPINFER_KERNELS", "auto"),
+                   help="auto: Triton kernels where the model is on CUDA, else the torch reference; torch; triton "
+                        "(on a CPU only with TRITON_INTERPRET=1: tests) (env DEEPINFER_KERNELS; default auto)")
     p.add_argument("--heartbeat-s", type=float, default=float(os.environ.get("DEEPINFER_HEARTBEAT_S", 1.0)),
                    help="seconds between load reports (env DEEPINFER_HEARTBEAT_S; default 1)")
     p.add_argument("--kv-root", default=os.environ.get("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
@@ -106,6 +110,7 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         packed_weights=not args.no_packed_weights,
         swa_replay=args.swa_replay,
         swa_cache_bytes=int(args.swa_cache_gb * (1 << 30)),
+        kernels=getattr(args, "kernels", None),
         speculative=None if prefill_only or args.speculative == "none" else SpecConfig(
             args.speculative, args.num_speculative_tokens, args.spec_verify, draft_layers=args.draft_layers),
     )

@@ -43,6 +43,7 @@ from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.engine.spec_decode import SpecConfig, SpecDecoder
 from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.engine.swa_cache import SWAStateCache
+from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.layers import Linear
 from deepinfer.models.loader import DTYPES, load_model
@@ -79,7 +80,10 @@ class EngineConfig:
     speculative: speculative decoding (``engine.spec_decode.SpecConfig``; None = off).
     Decode engines only (ignored when ``prefill_only``); steps then run synchronously
     (``async_scheduling`` is turned off: the next step's positions depend on how many
-    drafts this one accepts); not on hybrid sliding-window models (ValueError)."""
+    drafts this one accepts); not on hybrid sliding-window models (ValueError).
+    kernels: "auto", "torch" or "triton" (``kernels.select``; None = env
+    DEEPINFER_KERNELS, else auto: Triton where the model is on CUDA, the torch
+    reference otherwise). ValueError where "triton" cannot run."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -98,6 +102,7 @@ class EngineConfig:
     swa_replay: str = "bounded"
     swa_cache_bytes: int = 256 << 20
     speculative: SpecConfig | None = None
+    kernels: str | None = None
 
 
 @dataclass
@@ -169,6 +174,8 @@ class LLMEngine:
                 module.batch_invariant = config.batch_invariant
             if isinstance(module, Linear) and config.packed_weights:
                 module.pack()
+        self.kernels = kernel_select.resolve(config.kernels, next(self.model.parameters()).device)
+        kernel_select.use(self.model, self.kernels)
         dtype = DTYPES[config.dtype]
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -61,10 +61,19 @@ class GptOssMLP(MoEBlock):
     def expert(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         w = self.experts
         gate_up = x @ w.gate_up_proj[slot] + w.gate_up_proj_bias[slot]
+        return self.expert_activation(gate_up) @ w.down_proj[slot] + w.down_proj_bias[slot]
+
+    def expert_weights(self):
+        """The fused tensors as stored: gate_up [R, hidden, 2I], down [R, I, hidden], with biases."""
+        w = self.experts
+        return w.gate_up_proj, w.gate_up_proj_bias, w.down_proj, w.down_proj_bias
+
+    def expert_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Clamped SwiGLU of the interleaved gate/up columns: [n, 2I] -> [n, I]."""
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ w.down_proj[slot] + w.down_proj_bias[slot]
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     # --- slot storage: row N of the fused tensors is slot N ---
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:

@@ -66,7 +66,11 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """``weight * (x / rms(x))``, normalised in fp32, scaled in ``x``'s dtype (modeling_llama LlamaRMSNorm)."""
+    """``weight * (x / rms(x))``, normalised in fp32, scaled in ``x``'s dtype (modeling_llama LlamaRMSNorm).
+
+    ``backend`` "triton": ``kernels.triton_norm`` (set by ``kernels.select.use``)."""
+
+    backend = "torch"
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -74,6 +78,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from deepinfer.kernels import triton_norm
+
+            return triton_norm.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,7 +92,10 @@ class GemmaRMSNorm(nn.Module):
     """``(1 + weight) * (x / rms(x))`` all in fp32, then cast (modeling_gemma3 Gemma3RMSNorm).
 
     The stored weight is zero-centred: a fresh norm is the identity.
+    ``backend`` "triton": ``kernels.triton_norm`` (set by ``kernels.select.use``).
     """
+
+    backend = "torch"
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,6 +103,10 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from deepinfer.kernels import triton_norm
+
+            return triton_norm.rms_norm(x, self.weight, self.eps, gemma=True)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
@@ -210,7 +225,11 @@ class Attention(nn.Module):
     ``sliding_window`` W: each query sees only keys at positions > q_pos - W
     (HF masking_utils ``sliding_window_overlay``). ``rope`` names the
     cos/sin table this layer uses (families with per-layer RoPE bases).
+    ``backend`` "triton": rotary, KV store and attention run the ``kernels.triton_*``
+    kernels (set by ``kernels.select.use``).
     """
+
+    backend = "torch"
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: type[nn.Module] | None = None,
@@ -247,15 +266,30 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.backend == "triton":
+            return self.o_proj(self._triton_attention(q, k, v, cos, sin, meta).reshape(t, -1))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, window=self.sliding_window,
                             sinks=self.sinks)
         return self.o_proj(o.reshape(t, -1))
 
+    def _triton_attention(self, q, k, v, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        from deepinfer.kernels import triton_attention, triton_cache, triton_rotary
+
+        q, k = triton_rotary.apply_rope(q, k, cos, sin)
+        triton_cache.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return triton_attention.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                                window=self.sliding_window, sinks=self.sinks)
+
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (Llama, Qwen, Mistral)."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (Llama, Qwen, Mistral).
+
+    ``backend`` "triton": the first residual add runs inside the second norm's kernel
+    (``kernels.triton_norm.fused_add_rms_norm``)."""
+
+    backend = "torch"
 
     def __init__(self, self_attn: Attention, mlp: nn.Module, hidden: int, eps: float):
         super().__init__()
@@ -265,6 +299,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x, cos, sin, meta):
+        if self.backend == "triton" and type(self.post_attention_layernorm) is RMSNorm:
+            from deepinfer.kernels import triton_norm
+
+            h = self.self_attn(self.input_layernorm(x), cos, sin, meta)
+            norm = self.post_attention_layernorm
+            n, x = triton_norm.fused_add_rms_norm(x, h, norm.weight, norm.eps)
+            return x + self.mlp(n)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

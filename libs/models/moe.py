@@ -68,9 +68,15 @@ class MoEBlock(nn.Module):
     ``slot_tensors(slot)`` (the tensors that hold one slot's weights, writable,
     in a fixed order), ``resize_slots(n)`` and, if it caches derived weights,
     ``slot_written(slot)``. At load, slot e holds logical expert e.
+
+    ``backend`` "triton" (set by ``kernels.select.use``): the slots' GEMMs run as two
+    grouped GEMMs over all pairs (``kernels.triton_moe``); a subclass then provides
+    ``expert_weights()`` and ``expert_activation(h)``. Routing, counters, replica
+    choice and the summation order stay as below.
     """
 
     batch_invariant = False  # set by the engine (``EngineConfig.batch_invariant``)
+    backend = "torch"
 
     def __init__(self, num_experts: int, top_k: int):
         super().__init__()
@@ -118,6 +124,12 @@ class MoEBlock(nn.Module):
         slots = self.slots_of(flat[order], counts)
         slot_counts = torch.bincount(slots, minlength=self.num_slots)
         self.rank_counts += slot_counts.view(self.num_ranks, -1).sum(1)
+        if self.backend == "triton":
+            from deepinfer.kernels import triton_moe
+
+            y = triton_moe.moe_experts(x, tokens, pair_weights, slots, self.num_slots, *self.expert_weights(),
+                                       self.expert_activation)
+            return self._sum_in_expert_order(x, tokens, y, counts)
         by_slot = torch.argsort(slots, stable=True)  # rank-major: slots of rank 0 first
         y = torch.empty(flat.numel(), x.shape[1], dtype=x.dtype, device=x.device)  # per sorted pair
         start = 0
@@ -131,6 +143,12 @@ class MoEBlock(nn.Module):
                     rows = F.pad(rows, (0, 0, 0, Linear.INVARIANT_MIN_ROWS - n))
                 y[pos] = (self.expert(slot, rows)[:n] * pair_weights[pos, None]).to(y.dtype)
                 start += n
+        return self._sum_in_expert_order(x, tokens, y, counts)
+
+    @staticmethod
+    def _sum_in_expert_order(x: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor,
+                             counts: torch.Tensor) -> torch.Tensor:
+        """Scatter-add the sorted pairs' outputs ``y`` [T * k, hidden] to their tokens."""
         out = torch.zeros_like(x)
         start = 0
         for n in counts.tolist():  # logical expert order: transformers' summation order
@@ -141,6 +159,15 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dispatch(x, *self.route(x))
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Triton path: every slot's weights as (w1 [R, hidden, N1], b1 [R, N1] or None,
+        w2 [R, I, hidden], b2 [R, hidden] or None); strided views are fine."""
+        raise NotImplementedError
+
+    def expert_activation(self, h: torch.Tensor) -> torch.Tensor:
+        """Triton path: [P, N1] first-GEMM outputs -> [P, I] inputs of the second."""
+        raise NotImplementedError
 
     # --- placement ---------------------------------------------------------------
     def slot_tensors(self, slot: int) -> list[torch.Tensor]:
@@ -229,6 +256,32 @@ class SparseMoeBlock(MoEBlock):
     def expert(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         return self.experts[slot](x)
 
+    _stacked: tuple | None = None  # triton path: the slots' weights stacked, built on first use
+
+    def expert_weights(self):
+        """Gate and up stacked as w1 [R, hidden, 2I] (gate first), down as w2 [R, I, hidden]:
+        views of [R, out, in] copies (one extra copy of the experts' weights, dropped
+        when a slot is rewritten)."""
+        if self._stacked is None:
+            e = self.experts
+
+            def stack(get):
+                return torch.stack([get(m) for m in e])
+
+            w1 = stack(lambda m: torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            w2 = stack(lambda m: m.down_proj.weight)
+            b1 = b2 = None
+            if e[0].gate_proj.bias is not None:
+                b1 = stack(lambda m: torch.cat([m.gate_proj.bias, m.up_proj.bias]))
+                b2 = stack(lambda m: m.down_proj.bias)
+            self._stacked = (w1.transpose(1, 2), b1, w2.transpose(1, 2), b2)
+        return self._stacked
+
+    def expert_activation(self, h: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` (``GatedMLP``)."""
+        gate, up = h.chunk(2, dim=-1)
+        return self.experts[0].act(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.dispatch(x, *self.route(x))
         if self.shared_expert is not None:
@@ -254,12 +307,15 @@ class SparseMoeBlock(MoEBlock):
                     a.batch_invariant = b.batch_invariant
             slots.append(m)
         self.experts = nn.ModuleList(slots)
+        self._stacked = None
 
     def _packed(self) -> bool:
         return self.experts[0].gate_proj.packed is not None
 
     def slot_written(self, slot: int) -> None:
-        """Re-pack the slot's GEMM weights when the layer runs packed (``layers.Linear``)."""
+        """Re-pack the slot's GEMM weights when the layer runs packed (``layers.Linear``);
+        drop the Triton path's stacked copy."""
+        self._stacked = None
         if self._packed():
             for m in self.experts[slot].modules():
                 if isinstance(m, Linear):
