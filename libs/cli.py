@@ -9,7 +9,7 @@
         list the live workers of a running mesh (from their load reports) and their load
     deepinfer convert
         convert the embedded default model (once) and print its directory
-    deepinfer bench serve | compare | replay [args...]
+    deepinfer bench serve | compare | replay | soak [args...]
         serving benchmarks of any OpenAI-compatible endpoint (docs/benchmarks.md)
     deepinfer economics [args...]
         revenue, margin, payback and cache storage of a day of traffic
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", default=None, help=argparse.SUPPRESS)
 
     from deepinfer import economics
-    from deepinfer.bench import compare, replay, serve
+    from deepinfer.bench import compare, replay, serve, soak
 
     bench = sub.add_parser("bench", help="benchmark clients").add_subparsers(dest="bench", required=True)
     serve.add_arguments(bench.add_parser("serve", help="benchmark an OpenAI-compatible endpoint",
@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            description=compare.DESCRIPTION))
     replay.add_arguments(bench.add_parser("replay", help="replay a Mooncake-format trace through a gateway",
                                           description=replay.DESCRIPTION))
+    soak.add_arguments(bench.add_parser("soak", help="mixed load for a set time: RSS per process, errors, latency drift",
+                                        description=soak.DESCRIPTION))
     economics.add_arguments(sub.add_parser("economics", help="revenue, margin, payback and cache storage per day",
                                            description=economics.DESCRIPTION))
     return p
@@ -216,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return status.cli(args)
     if args.command == "bench":
-        from deepinfer.bench import compare, replay, serve
+        from deepinfer.bench import compare, replay, serve, soak
 
-        return {"serve": serve, "compare": compare, "replay": replay}[args.bench].cli(args)
+        return {"serve": serve, "compare": compare, "replay": replay, "soak": soak}[args.bench].cli(args)
     if args.command == "economics":
         from deepinfer import economics
 

@@ -260,6 +260,11 @@ class TokenChunk:
     ("cold", "hit", "swa_cache", "bounded_replay", "exact_recompute"; see
     ``engine.hybrid_blocks``); num_replayed_tokens: prefix tokens fed again by a
     bounded replay (not counted in ``num_cached_tokens``).
+    offset: output tokens of the request before this chunk's (prefill's first token: 0; decode's
+    announcement: the tokens it was given), so the gateway sees a chunk lost in transit (a gap)
+    or a copy behind it; -1 = not said (error chunks, older senders).
+    attempt: decode chunks: the ``DecodeRequest.attempt`` of the copy that produced them, so two
+    copies on one worker are told apart; -1 = not said.
     """
 
     request_id: str
@@ -273,6 +278,8 @@ class TokenChunk:
     logprobs: list[list] | None = None
     prefix_path: str = ""
     num_replayed_tokens: int = 0
+    offset: int = -1
+    attempt: int = -1
 
 
 @message

@@ -74,6 +74,7 @@ class DecodeService(EngineWorker):
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # attempts aborted before arriving
+        self.offsets: dict[str, int] = {}  # request id -> its output tokens streamed so far (``TokenChunk.offset``)
         self.start_engine()
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
@@ -114,6 +115,7 @@ class DecodeService(EngineWorker):
                 raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens)
+            self.offsets[req.request_id] = len(req.output_token_ids)  # before the engine's first output
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
@@ -123,22 +125,26 @@ class DecodeService(EngineWorker):
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
+            self.offsets.pop(req.request_id, None)
             self.end_span(req.request_id, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
         except BaseException as e:  # the mesh answers an ErrorReply; nothing of the request stays here
             self.requests.pop(req.request_id, None)
+            self.offsets.pop(req.request_id, None)
             self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
             raise
         log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole,
                  image_embeddings=embeds is not None)
         await self.mesh.publish(req.stream_subject, TokenChunk(
-            request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id))
+            request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
+            offset=len(req.output_token_ids), attempt=req.attempt))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
         if running is not None and msg.attempt in (-1, running.attempt):
             del self.requests[msg.request_id]
+            self.offsets.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
         elif msg.attempt >= 0:  # that attempt is not here (yet): refuse its submit if it arrives late
@@ -151,12 +157,17 @@ class DecodeService(EngineWorker):
             req = self.requests.get(out.request_id)
             if req is None:  # aborted meanwhile
                 continue
+            offset = self.offsets.get(out.request_id, -1)
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
+                self.offsets.pop(out.request_id, None)
                 self.end_span(out.request_id, out)
+            elif offset >= 0:
+                self.offsets[out.request_id] = offset + len(out.new_token_ids)
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
-                               num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs())
+                               num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
+                               offset=offset, attempt=req.attempt)
             if out.finish_reason == "error":
                 chunk.error = "decode engine failed"
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))

@@ -25,6 +25,7 @@ from deepinfer.gateway.generate import Choice, Gateway, abort_all, chunks, http_
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCall, ToolCallParser
+from deepinfer.mesh import RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, subjects
 from deepinfer.telemetry import get_logger, tracer
 
@@ -84,13 +85,29 @@ async def encode_messages_images(gw: Gateway, request_id: str, messages: list[di
     return list(reply.token_ids), [list(i) for i in reply.images], fingerprint
 
 
+TOKENIZER_RETRY_AFTER_S = 3.0  # a tokenizer request unanswered this long is sent again (once)
+
+
 async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
                   param: str) -> EncodeChatReply:
+    """The tokenizer service's rendering of ``messages``. A request unanswered after
+    ``TOKENIZER_RETRY_AFTER_S`` (at most half the timeout) is sent once more with what is left of
+    ``tokenizer_timeout_s``: the queue group gave it to a replica that died with it (issue #13:
+    killing one of two tokenizer workers under load failed its requests after the whole 10 s),
+    and a dead replica's subscription is gone, so the retry reaches a live one. Encoding has no
+    side effects: a slow first replica's late answer is simply dropped."""
     msg = EncodeChatRequest(request_id, messages, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
+    first = min(TOKENIZER_RETRY_AFTER_S, timeout / 2)
     with mesh_errors("tokenizer", "tokenizer", timeout, param), \
             tracer().start_as_current_span("gateway.tokenize") as span:
-        reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout, expect=EncodeChatReply)
+        try:
+            reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=first, expect=EncodeChatReply)
+        except RequestTimeout:
+            log.warning("tokenizer_retry", request_id=request_id, after_s=first)
+            span.set_attribute("deepinfer.tokenizer.retried", True)
+            reply = await gw.mesh.request(subjects.TOKENIZER_ENCODE_CHAT, msg, timeout=timeout - first,
+                                          expect=EncodeChatReply)
         span.set_attribute("gen_ai.usage.input_tokens", len(reply.token_ids))
     if not reply.token_ids:
         raise bad_request("the rendered prompt is empty", param=param)

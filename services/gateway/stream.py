@@ -119,6 +119,7 @@ class StreamTimeouts:
     handoff_s: float = 15.0
     tick_s: float = 0.25
     max_failovers: int = 2  # submits to another worker after a worker failed, per request
+    resync_s: float = 3.0  # after the mesh connection came back: silence this long resumes the request
 
 
 class RequestStream:
@@ -160,6 +161,10 @@ class RequestStream:
         self.failovers = 0  # submits made after a failure
         self._abandoned: set[str] = set()  # workers the request was moved away from: chunks dropped
         self._pinned_decode = ""  # decode worker the gateway resumed on: other decode chunks dropped
+        self._pinned_attempt = -1  # ... and the attempt it resumed with (older copies there dropped)
+        self._decode_copy: tuple[str, int] | None = None  # (worker, attempt) whose decode chunks are taken
+        self._reconnects = getattr(mesh, "reconnects", 0)  # the mesh connection's losses seen
+        self._reconnected_at = 0.0  # when the stream saw the connection come back (0: not since its last check)
 
     # --- the gateway's decisions ---------------------------------------------
     async def open(self, prompt_token_ids: list[int], sampling: SamplingParams, plan: Plan | None = None) -> None:
@@ -260,7 +265,7 @@ class RequestStream:
             self._queue.put_nowait(chunk)
 
     async def _accept(self, chunk: TokenChunk) -> bool:
-        """Whether ``chunk`` belongs to the stream (failover: see the module docstring)."""
+        """Whether ``chunk`` belongs to the stream (failover, copies and gaps: see the module docstring)."""
         if chunk.worker_id in self._abandoned:
             return False
         if self._pinned_decode and chunk.role == "decode" and chunk.worker_id != self._pinned_decode:
@@ -268,6 +273,17 @@ class RequestStream:
             if chunk.finish_reason is None:
                 await self._publish_abort("decode", chunk.worker_id)
             return False
+        if chunk.role == "decode" and chunk.attempt >= 0 and not await self._one_copy(chunk):
+            return False
+        if chunk.offset >= 0 and self.phase is not Phase.FINISHED:
+            have = len(self.output_token_ids)
+            if chunk.offset < have:  # tokens the client has already: a copy behind this one
+                log.info("chunk_behind", request_id=self.request_id, worker=chunk.worker_id, offset=chunk.offset,
+                         have=have)
+                return False
+            if chunk.offset > have:  # chunks lost in transit (a NATS restart): never stream past a gap
+                await self._gap(chunk, have)
+                return False
         if (chunk.finish_reason == "error" and chunk.role == "prefill" and self.phase is Phase.HANDOFF
                 and chunk.worker_id == self.worker_id):
             # the first token is out but prefill could not hand off: resume on decode ourselves
@@ -275,10 +291,48 @@ class RequestStream:
             return False
         return True
 
+    async def _one_copy(self, chunk: TokenChunk) -> bool:
+        """Whether a decode chunk comes from the copy of the request the stream takes tokens from:
+        the one the gateway resumed (pinned), else the first that streamed. Prefill's later handoff
+        attempt (its queue-group retry after a targeted handoff timed out and was aborted) replaces
+        it only where it continues exactly (its offset is the tokens the client has); a copy of an
+        earlier attempt is aborted. Tokens from two copies are never mixed."""
+        copy = (chunk.worker_id, chunk.attempt)
+        if self._pinned_decode:  # (another worker's chunks were dropped above)
+            return self._pinned_attempt < 0 or chunk.attempt == self._pinned_attempt
+        if self._decode_copy is None or copy == self._decode_copy:
+            return True
+        if chunk.attempt > self._decode_copy[1] and chunk.offset == len(self.output_token_ids):
+            log.info("decode_copy_replaced", request_id=self.request_id, old=self._decode_copy, new=copy)
+            return True
+        if chunk.attempt < self._decode_copy[1] and chunk.finish_reason is None:
+            await self._publish_abort("decode", chunk.worker_id, chunk.attempt)
+        return False
+
+    async def _gap(self, chunk: TokenChunk, have: int) -> None:
+        """``chunk`` starts past the tokens received: some were lost in transit. Resume from what
+        the client was given (on any live decode worker, the same one too: its copy is aborted and
+        its later chunks dropped by attempt); with nothing given yet there is nothing to resume
+        from: a clear error. Raises StreamError when no worker takes it."""
+        reason = (f"{chunk.offset - have} tokens from {chunk.role} worker {chunk.worker_id} were lost in transit "
+                  "(the mesh connection was interrupted)")
+        if chunk.role == "decode" and (chunk.worker_id, chunk.attempt) != (self.worker_id, self._watched_attempt()):
+            await self._publish_abort("decode", chunk.worker_id, chunk.attempt)
+        if have == 0:
+            await self._fail(abort=True)
+            raise StreamError(f"{reason}, its first token among them; nothing to resume from")
+        await self._failover(reason, keep=True)
+
+    def _watched_attempt(self) -> int:
+        copy = self._decode_copy
+        return copy[1] if self.worker_role == "decode" and copy and copy[0] == self.worker_id else -1
+
     def _advance(self, chunk: TokenChunk) -> None:
         now = self.clock()
         self._last_chunk_at = now
         self.output_token_ids += chunk.token_ids
+        if chunk.role == "decode" and chunk.attempt >= 0:
+            self._decode_copy = (chunk.worker_id, chunk.attempt)
         if chunk.role == "decode":
             if self.worker_role != "decode" or chunk.worker_id != self.worker_id:
                 self._watch("decode", chunk.worker_id, now)
@@ -303,6 +357,13 @@ class RequestStream:
         elif self.phase is Phase.HANDOFF and now - self._handoff_since > self.timeouts.handoff_s:
             await self._failover(f"handoff from prefill worker {self.worker_id} to a decode worker produced "
                                  f"nothing within {self.timeouts.handoff_s:.0f}s")
+        elif (reconnects := getattr(self.mesh, "reconnects", 0)) != self._reconnects:
+            self._reconnects, self._reconnected_at = reconnects, now  # chunks may have been lost meanwhile
+        elif (self._reconnected_at and self.phase in (Phase.HANDOFF, Phase.DECODE)
+              and self._last_chunk_at < self._reconnected_at and now - self._reconnected_at > self.timeouts.resync_s):
+            self._reconnected_at = 0.0  # silent since: its last chunks (its final one) were lost
+            await self._failover(f"no output from {self.worker_role} worker {self.worker_id} for "
+                                 f"{self.timeouts.resync_s:g}s after the mesh connection came back", keep=True)
         now = self.clock()
         if now - self._last_chunk_at > self.timeouts.inactivity_s:
             await self._fail(abort=True)
@@ -312,12 +373,15 @@ class RequestStream:
             raise ClientGone()
 
     # --- failover ---------------------------------------------------------------
-    async def _failover(self, reason: str) -> None:
+    async def _failover(self, reason: str, keep: bool = False) -> None:
         """Move the request off its worker (``reason``: why) to another one; raises StreamError
-        when no worker takes it within ``max_failovers`` submits."""
+        when no worker takes it within ``max_failovers`` submits. ``keep``: the worker is alive
+        (chunks were lost on the way): only its copy is aborted, and it may take the request again."""
         failed_role, failed = self.worker_role, self.worker_id
-        self._abandoned.add(failed)
-        await self._publish_abort(failed_role, failed)  # if it was only slow: drop it, free its KV
+        if not keep:
+            self._abandoned.add(failed)
+        # if it was only slow: drop it, free its KV (``keep``: that copy only)
+        await self._publish_abort(failed_role, failed, self._watched_attempt() if keep else -1)
         to_decode = self.phase in (Phase.HANDOFF, Phase.DECODE)  # a token is out: continue decoding it
         what = "resuming on another decode worker" if to_decode else "re-dispatching to another prefill worker"
         log.warning("worker_failed", request_id=self.request_id, role=failed_role, worker=failed, reason=reason,
@@ -358,7 +422,8 @@ class RequestStream:
             self._watch(role, reply.worker_id, now)
             self._last_chunk_at = now
             if to_decode:
-                self._pinned_decode = reply.worker_id
+                self._pinned_decode, self._pinned_attempt = reply.worker_id, 100 + self.failovers
+                self._decode_copy = (reply.worker_id, self._pinned_attempt)
                 self.phase = Phase.DECODE
             else:
                 self.phase = Phase.PREFILL
@@ -416,9 +481,9 @@ class RequestStream:
         self.phase = Phase.FINISHED
         await self.close()
 
-    async def _publish_abort(self, role: str, worker_id: str) -> None:
+    async def _publish_abort(self, role: str, worker_id: str, attempt: int = -1) -> None:
         try:
-            await self.mesh.publish(subjects.abort(role, worker_id), AbortRequest(self.request_id))
+            await self.mesh.publish(subjects.abort(role, worker_id), AbortRequest(self.request_id, attempt))
             log.info("abort_sent", request_id=self.request_id, role=role, to=worker_id)
         except Exception as e:  # NATS down: the worker finishes on its own (max_tokens)
             log.warning("abort_failed", request_id=self.request_id, to=worker_id, error=str(e))

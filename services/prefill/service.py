@@ -251,7 +251,7 @@ class PrefillService(EngineWorker):
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
                            worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
                            num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs(),
-                           prefix_path=out.prefix_path, num_replayed_tokens=out.num_replayed_tokens)
+                           prefix_path=out.prefix_path, num_replayed_tokens=out.num_replayed_tokens, offset=0)
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
             if out.finish_reason == "error":

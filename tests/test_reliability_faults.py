@@ -1,0 +1,408 @@
+"""Faults under load (issue #13, items 1 and 2): workers killed (-9), nats-server and redis-server
+restarted, storage-tier blocks corrupted and deleted, while a steady load runs. Each scenario
+prints its counts (``-s`` shows them) and the module ends with the table of all of them.
+
+One mesh for the module (``launcher.Mesh``, the code ``deepinfer up`` runs): 2 tokenizer, kvindex,
+2 prefill and 2 decode workers on the mock engine, and the gateway. The scenarios run in order on
+it and each kill leaves one replica of its role: after the three worker kills the infrastructure
+faults run on one tokenizer, one prefill and one decode worker. The load (``load``): 48 chat
+requests, 12 at a time, half streamed, behind one of two shared system prompts (prefix-cache and
+storage-tier hits), 24-48 output tokens (~0.5-1 s of decode at 20 ms a step), every one asking
+for its token ids. Every answer is checked token by token against the mock's own function of the
+prompt (``bench.soak.MockOracle``): a token lost, repeated or computed from a wrong KV block makes
+the answer ``wrong``. Outcomes: ``ok``, ``wrong``, ``error`` (an HTTP error or an SSE error event:
+a clear error), ``broken`` (a stream cut without either), ``hung`` (no end within ``HANG_S``: the
+client gives up). Every scenario asserts wrong = broken = hung = 0 and bounds the errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deepinfer.bench.soak import MockOracle, Outcome, chat_spec, send
+from deepinfer.launcher import Mesh, start_nats, start_redis
+from deepinfer.mesh import MeshClient
+from deepinfer.protocol import KVIndexHealth, KVIndexHealthRequest, subjects
+from deepinfer.models.convert import DEFAULT_MODEL_NAME
+
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(300)]
+
+MODEL = DEFAULT_MODEL_NAME
+MOCK = ["--engine", "mock", "--heartbeat-s", "0.5"]
+PREFILL_COST = "0.004,1e-3,1e-9,1e-7"  # ~1 ms a prompt token: a prefill worker holds a queue under load
+DECODE_COST = "0.02,1e-4,1e-9,1e-7"  # 20 ms a step
+N_REQUESTS = 48
+CONCURRENCY = 12
+HANG_S = 30.0  # every request ends (answer or error) within this, or it counts as hung
+TABLE: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = Mesh(workdir=tmp_path_factory.mktemp("faults-mesh"),
+             services=("tokenizer", "kvindex", "prefill", "decode", "gateway"),
+             replicas={"tokenizer": 2, "prefill": 2, "decode": 2},
+             extra_args={"prefill": [*MOCK, "--mock-cost", PREFILL_COST],
+                         "decode": [*MOCK, "--mock-cost", DECODE_COST]})
+    m.start(timeout=300)
+    yield m
+    m.stop()
+    if TABLE:
+        print("\nfaults under load (sent / ok / error / wrong / broken / hung; faults: "
+              "pytest tests/test_reliability_faults.py -s):")
+        for name, c in TABLE.items():
+            print(f"  {name:<44} {c['sent']:>4} {c['ok']:>4} {c['error']:>4} {c['wrong']:>4} {c['broken']:>4} "
+                  f"{c['hung']:>4}")
+
+
+@pytest.fixture(scope="module")
+def oracle(mesh):
+    return MockOracle(mesh.model_dir)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def busy(mesh: Mesh, worker: str) -> float:
+    """Requests running + waiting on ``worker`` (its /metrics)."""
+    m = scrape(mesh.metrics_urls[worker])
+    return m.get("deepinfer_requests_running", 0) + m.get("deepinfer_requests_waiting", 0)
+
+
+def process(mesh: Mesh, worker: str):
+    return next(p for p in mesh.all_services() if p.name == worker)
+
+
+def specs(seed: int, n: int = N_REQUESTS, salted: bool = False) -> list:
+    """``salted``: each request under its own ``cache_salt`` (no prefix hits: every prompt is
+    computed, ~0.2 s of prefill each, so prefill workers hold queues)."""
+    rng = random.Random(seed)
+    systems = [f"You are reliable assistant {k}. " + " ".join(rng.choice(("queue", "block", "cache", "river"))
+                                                              for _ in range(120)) for k in range(2)]
+    out = [chat_spec(rng, i, MODEL, rng.randint(24, 48), stream=i % 2 == 0, system=systems[i % 2],
+                     label=f"{seed}-{i}") for i in range(n)]
+    for spec in out if salted else ():
+        spec.body["cache_salt"] = spec.label
+    return out
+
+
+async def load(mesh: Mesh, oracle: MockOracle, seed: int, fault, fault_after: int = N_REQUESTS // 4,
+               salted: bool = False):
+    """Send ``specs(seed)`` ``CONCURRENCY`` at a time; once ``fault_after`` requests have ended, run
+    ``fault()`` (a blocking callable, on a thread) while the others are in flight. Returns
+    (outcomes, what ``fault`` returned, seconds from the fault to the last end)."""
+    outcomes: list[Outcome] = []
+    ready, fault_result, fault_at = asyncio.Event(), [None], [0.0]
+    sem = asyncio.Semaphore(CONCURRENCY)
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY)
+    async with httpx.AsyncClient(base_url=mesh.gateway_url, timeout=HANG_S + 5, limits=limits) as client:
+
+        async def one(spec):
+            async with sem:
+                out = await send(client, spec, HANG_S, oracle)
+            outcomes.append(out)
+            if len(outcomes) >= fault_after:
+                ready.set()
+
+        async def injector():
+            await ready.wait()
+            fault_at[0] = time.monotonic()
+            fault_result[0] = await asyncio.to_thread(fault)
+
+        tasks = [asyncio.ensure_future(one(s)) for s in specs(seed, salted=salted)]
+        inj = asyncio.ensure_future(injector())
+        await asyncio.gather(*tasks)
+        await inj
+    return outcomes, fault_result[0], time.monotonic() - fault_at[0]
+
+
+def counts(name: str, outcomes: list[Outcome], note: str = "") -> dict:
+    c = {"sent": len(outcomes), **Counter(o.kind for o in outcomes)}
+    for k in ("ok", "error", "wrong", "broken", "hung"):
+        c.setdefault(k, 0)
+    TABLE[name] = c
+    errors = Counter(o.error[:120] for o in outcomes if o.kind != "ok")
+    print(f"\n{name}: sent {c['sent']}, ok {c['ok']}, error {c['error']}, wrong {c['wrong']}, broken {c['broken']}, "
+          f"hung {c['hung']} (bound {HANG_S:g} s); slowest {max(o.latency_s for o in outcomes):.1f} s{note}; "
+          f"{dict(errors) or 'no errors'}")
+    return c
+
+
+def assert_clean(c: dict, max_errors: int = 0) -> None:
+    assert c["wrong"] == 0 and c["broken"] == 0 and c["hung"] == 0, c
+    assert c["error"] <= max_errors, c
+    assert c["ok"] + c["error"] == c["sent"]
+
+
+def health(mesh: Mesh) -> int:
+    try:
+        return httpx.get(mesh.gateway_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+async def _few(mesh: Mesh, oracle: MockOracle, seed: int, n: int):
+    async with httpx.AsyncClient(base_url=mesh.gateway_url, timeout=HANG_S + 5) as client:
+        outs = await asyncio.gather(*(send(client, s, HANG_S, oracle) for s in specs(seed, n)))
+    return list(outs), None, 0.0
+
+
+# --- 1. worker faults -------------------------------------------------------------------------
+
+
+def kill_when_busy(mesh: Mesh, worker: str, timeout: float = 10) -> float:
+    """SIGKILL ``worker`` once it holds a request (its metrics); returns what it held."""
+    deadline = time.monotonic() + timeout
+    held = 0.0
+    while time.monotonic() < deadline:
+        held = busy(mesh, worker)
+        if held > 0:
+            break
+        time.sleep(0.02)
+    process(mesh, worker).kill()
+    return held
+
+
+def test_1a_prefill_worker_killed_under_load(mesh, oracle):
+    outs, held, after = asyncio.run(load(mesh, oracle, 1, lambda: kill_when_busy(mesh, "prefill-0"), salted=True))
+    c = counts("kill -9 prefill-0 (1 of 2)", outs, f"; it held {held:.0f} requests; all ended {after:.1f} s after")
+    assert held > 0
+    assert_clean(c)
+
+
+def test_1b_decode_worker_killed_under_load(mesh, oracle):
+    outs, held, after = asyncio.run(load(mesh, oracle, 2, lambda: kill_when_busy(mesh, "decode-0")))
+    c = counts("kill -9 decode-0 (1 of 2)", outs, f"; it held {held:.0f} requests; all ended {after:.1f} s after")
+    assert held > 0
+    assert_clean(c)
+
+
+def test_1c_tokenizer_worker_killed_under_load(mesh, oracle):
+    outs, _, after = asyncio.run(load(mesh, oracle, 3, lambda: process(mesh, "tokenizer-0").kill()))
+    c = counts("kill -9 tokenizer-0 (1 of 2)", outs, f"; all ended {after:.1f} s after")
+    assert_clean(c)
+
+
+# --- 2. infrastructure faults -----------------------------------------------------------------
+
+
+def restart_nats(mesh: Mesh, down_s: float = 1.0) -> float:
+    """kill -9 nats-server, wait ``down_s``, start it again on the same port and store."""
+    port = mesh.nats.port
+    mesh.nats.kill()
+    time.sleep(down_s)
+    t = time.monotonic()
+    mesh.nats = start_nats(mesh.workdir, port=port)
+    return time.monotonic() - t
+
+
+def test_2a_nats_server_restarted_under_load(mesh, oracle):
+    outs, took, after = asyncio.run(load(mesh, oracle, 4, lambda: restart_nats(mesh)))
+    c = counts("nats-server kill -9 + restart (1 s down)", outs, f"; all ended {after:.1f} s after")
+    assert_clean(c, max_errors=c["sent"])  # in flight: retried or a clear error
+    deadline = time.monotonic() + 15
+    while health(mesh) != 200:
+        assert time.monotonic() < deadline, "the gateway did not see its workers again"
+        time.sleep(0.25)
+    again = asyncio.run(_few(mesh, oracle, 40, 8))[0]
+    assert all(o.kind == "ok" for o in again), [(o.kind, o.error) for o in again]
+
+
+async def kvindex_health(mesh: Mesh) -> KVIndexHealth:
+    client = await MeshClient.connect(mesh.nats_url, "faults-test")
+    try:
+        return await client.request(subjects.KVINDEX_HEALTH, KVIndexHealthRequest(), timeout=5, expect=KVIndexHealth)
+    finally:
+        await client.close()
+
+
+def test_2b_redis_restarted_under_load(mesh, oracle):
+    before = asyncio.run(kvindex_health(mesh))
+    seen = []
+
+    def restart():
+        port = mesh.redis.port
+        mesh.redis.kill()
+        time.sleep(1.0)
+        seen.append(asyncio.run(kvindex_health(mesh)))  # while Redis is down
+        mesh.redis = start_redis(mesh.workdir, port=port)
+
+    outs, _, after = asyncio.run(load(mesh, oracle, 5, restart))
+    c = counts("redis-server kill -9 + restart (1 s down)", outs, f"; all ended {after:.1f} s after")
+    assert_clean(c)  # the cache degrades (lookups miss), serving goes on
+    deadline = time.monotonic() + 20  # the index is rebuilt from the storage tier's files
+    while (now := asyncio.run(kvindex_health(mesh))).num_blocks < before.num_blocks or not now.redis_ok:
+        assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.5)
+    print(f"kvindex: {before.num_blocks} blocks indexed before, Redis down: redis_ok={seen[0].redis_ok}; after "
+          f"{now.num_blocks} blocks (replays {before.replays} -> {now.replays})")
+    assert before.num_blocks > 0 and not seen[0].redis_ok and now.replays > before.replays
+
+
+def damage_blocks(mesh: Mesh) -> dict:
+    """Corrupt (overwrite bytes in the middle) or delete every stored block file."""
+    done = Counter()
+    for i, path in enumerate(sorted(Path(mesh.kv_root).rglob("*.kvb"))):
+        try:
+            if i % 2:
+                path.unlink()
+                done["deleted"] += 1
+            else:
+                size = path.stat().st_size
+                with open(path, "r+b") as f:
+                    f.seek(size // 2)
+                    f.write(os.urandom(min(64, max(1, size - size // 2))))
+                done["corrupted"] += 1
+        except OSError:
+            done["gone"] += 1
+    return dict(done)
+
+
+def test_2c_storage_blocks_corrupted_and_deleted_under_load(mesh, oracle):
+    def fault():
+        out = Counter()
+        for _ in range(4):  # again and again while the load runs
+            out.update(damage_blocks(mesh))
+            time.sleep(0.5)
+        return dict(out)
+
+    outs, damaged, after = asyncio.run(load(mesh, oracle, 6, fault))
+    c = counts("storage blocks corrupted / deleted", outs, f"; blocks {damaged}")
+    assert sum(damaged.values()) > 0
+    assert_clean(c)
+
+
+# --- regression tests of what the scenarios found (no mesh: NATS and scripted workers) --------
+
+
+@pytest.fixture
+def nats_alone(tmp_path):
+    proc = start_nats(tmp_path / "nats")
+    yield proc.url
+    proc.stop()
+
+
+async def test_a_tokenizer_request_lost_with_its_replica_is_sent_again(nats_alone):
+    """kill -9 of one of two tokenizer workers failed the requests it held after the whole
+    ``tokenizer_timeout_s`` (503). One replica here swallows what it gets (as a dead one did):
+    every request is answered by the other, after one retry, well within the timeout."""
+    from types import SimpleNamespace
+
+    from deepinfer.gateway.api_common import TOKENIZER_RETRY_AFTER_S, _encode
+    from deepinfer.protocol import EncodeChatReply, EncodeChatRequest
+
+    client = await MeshClient.connect(nats_alone, "gateway-t")
+    doomed = await MeshClient.connect(nats_alone, "tokenizer-dead")
+    swallowed = []
+
+    async def dead(msg: EncodeChatRequest):  # dies with what it was given: no reply, its subscription gone
+        swallowed.append(msg.request_id)
+        if len(swallowed) == 1:
+            asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(doomed.close()))
+
+    async def alive(msg: EncodeChatRequest):
+        return EncodeChatReply(msg.request_id, [1, 2, 3])
+
+    try:
+        await doomed.subscribe(subjects.TOKENIZER_ENCODE_CHAT, dead, queue=subjects.TOKENIZER_GROUP)
+        await client.subscribe(subjects.TOKENIZER_ENCODE_CHAT, alive, queue=subjects.TOKENIZER_GROUP)
+        await doomed.nc.flush()
+        await client.nc.flush()
+        gw = SimpleNamespace(mesh=client, config=SimpleNamespace(tokenizer_timeout_s=2 * TOKENIZER_RETRY_AFTER_S))
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(_encode(gw, f"r{i}", [{"role": "user", "content": "hi"}], None, "messages")
+                                         for i in range(12)))
+        took = time.monotonic() - t0
+    finally:
+        await doomed.close()
+        await client.close()
+    assert [r.token_ids for r in replies] == [[1, 2, 3]] * 12
+    assert swallowed and took < 2 * TOKENIZER_RETRY_AFTER_S, (swallowed, took)
+
+
+async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_alone):
+    """A NATS restart lost token chunks in flight: the gateway streamed past the gap (an answer
+    one token short) or, when the final chunk was lost, waited for its inactivity timeout. Chunks
+    carry their offset; here a scripted decode worker loses one: the stream resumes on it from
+    the tokens received (a new attempt), drops the old copy's late chunks, and ends complete."""
+    from deepinfer.gateway.registry import WorkerRegistry
+    from deepinfer.gateway.stream import RequestStream
+    from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
+                                    SubmitReply, TokenChunk)
+
+    rid, want = "gap-1", list(range(500, 512))
+    client = await MeshClient.connect(nats_alone, "workers-t")
+    gw_client = await MeshClient.connect(nats_alone, "gateway-t")
+    resumes, aborts = [], []
+    stream_subject = subjects.stream(rid)
+
+    def chunk(tokens, offset, role="decode", attempt=0, final=False):
+        return TokenChunk(rid, tokens, role, f"{role}-a", "length" if final else None, offset=offset,
+                          attempt=attempt if role == "decode" else -1)
+
+    async def prefill(req: PrefillRequest):
+        async def run():
+            await client.publish(stream_subject, chunk(want[:1], 0, role="prefill"))
+            await client.publish(stream_subject, chunk([], 1))  # decode-a announces itself (attempt 0)
+            await client.publish(stream_subject, chunk(want[1:4], 1))
+            # want[4:6] (offset 4) is lost in transit
+            await client.publish(stream_subject, chunk(want[6:8], 6))
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        return SubmitReply(True, "prefill-a")
+
+    async def decode(req: DecodeRequest):
+        resumes.append(req)
+        n = len(req.output_token_ids)
+
+        async def run():
+            await client.publish(stream_subject, chunk(want[8:9], 8, attempt=0))  # the old copy, late
+            await client.publish(stream_subject, chunk([], n, attempt=req.attempt))
+            await client.publish(stream_subject, chunk(want[n:], n, attempt=req.attempt, final=True))
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        return SubmitReply(True, "decode-a")
+
+    async def on_abort(msg: AbortRequest):
+        aborts.append(msg.attempt)
+
+    registry = WorkerRegistry()
+    try:
+        await client.subscribe(subjects.PREFILL_SUBMIT, prefill, queue=subjects.PREFILL_GROUP)
+        await client.subscribe(subjects.decode_submit("decode-a"), decode)
+        await client.subscribe(subjects.abort("decode", "decode-a"), on_abort)
+        await client.nc.flush()
+        for role in ("prefill", "decode"):
+            registry.observe(LoadReport(role=role, worker_id=f"{role}-a"))
+        stream = RequestStream(gw_client, registry, rid)
+        await stream.open([1, 2, 3], SamplingParams(max_tokens=len(want), ignore_eos=True))
+        got = []
+        while True:
+            c = await asyncio.wait_for(stream.next_chunk(), 10)
+            got += c.token_ids
+            if c.finish_reason is not None:
+                break
+        await stream.close()
+        await gw_client.nc.flush()
+        await asyncio.sleep(0.2)
+    finally:
+        await gw_client.close()
+        await client.close()
+    assert got == want  # no gap, no repeat
+    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == 101
+    assert 0 in aborts and 101 not in aborts and -1 not in aborts  # the old copy only
