@@ -25,9 +25,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 
-from deepinfer.bench import serve
+from deepinfer.bench import run_cli, serve
 from deepinfer.bench.runner import Run, Sent, served_model
 from deepinfer.bench.table import format_summaries
 
@@ -110,15 +109,8 @@ def run(args: argparse.Namespace) -> dict:
 def cli(args: argparse.Namespace) -> int:
     """Exit 2 with one ``error:`` line for bad input or an unreachable endpoint, 1 when an endpoint
     completed no request, else 0."""
-    try:
-        doc = run(args)
-    except (ValueError, OSError, httpx.HTTPError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if any(e["summary"]["requests"]["completed"] == 0 for e in doc["endpoints"]):
-        print("error: an endpoint completed no request (reasons above and in compare.json)", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(run, args, lambda doc: "an endpoint completed no request (reasons above and in compare.json)"
+                   if any(e["summary"]["requests"]["completed"] == 0 for e in doc["endpoints"]) else None)
 
 
 DESCRIPTION = ("Run the same workload against two OpenAI-compatible endpoints, interleaved by rounds "

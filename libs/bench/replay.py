@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from deepinfer.bench import run_cli
 from deepinfer.bench.client import stream_completion
 from deepinfer.bench.metrics import RequestResult, percentile, strict_json, summarize
 from deepinfer.bench.trace import (PromptMaker, TraceRequest, ideal_engine_hits, ideal_hit_rate, load_mooncake,
@@ -347,15 +348,8 @@ def cli(args: argparse.Namespace) -> int:
     gateway, exit 1 when no request completed, else 0."""
     from deepinfer.launcher import LauncherError
 
-    try:
-        summary = run(args)
-    except (ValueError, OSError, httpx.HTTPError, LauncherError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if summary["requests"]["completed"] == 0:
-        print("error: no request completed (reasons above and in replay.json)", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(run, args, lambda summary: "no request completed (reasons above and in replay.json)"
+                   if summary["requests"]["completed"] == 0 else None, errors=(LauncherError,))
 
 
 DESCRIPTION = ("Replay a Mooncake-format trace through the gateway, against mock workers it starts "

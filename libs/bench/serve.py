@@ -26,9 +26,8 @@ import math
 import sys
 from pathlib import Path
 
-import httpx
 
-from deepinfer.bench import datasets
+from deepinfer.bench import datasets, run_cli
 from deepinfer.bench.arrivals import PROCESSES, arrival_times
 from deepinfer.bench.metrics import strict_json, summarize
 from deepinfer.bench.plots import plot_latency_cdfs, plot_throughput
@@ -314,15 +313,8 @@ def run(args: argparse.Namespace) -> dict:
 def cli(args: argparse.Namespace) -> int:
     """``run`` for the command line: one ``error:`` line and exit 2 for bad input or an unreachable
     endpoint, exit 1 when no request of a run completed, else 0."""
-    try:
-        doc = run(args)
-    except (ValueError, OSError, httpx.HTTPError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if any(e["summary"]["requests"]["completed"] == 0 for e in doc["runs"]):
-        print("error: a run completed no request (reasons above and in serve.json)", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(run, args, lambda doc: "a run completed no request (reasons above and in serve.json)"
+                   if any(e["summary"]["requests"]["completed"] == 0 for e in doc["runs"]) else None)
 
 
 DESCRIPTION = ("Benchmark an OpenAI-compatible endpoint: datasets (random, shared-prefix, multi-turn, agent, "
