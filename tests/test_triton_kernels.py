@@ -291,19 +291,33 @@ def test_selection_sets_every_module_with_a_triton_path():
 
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory):
-    """2 layers (sliding window 4, full), sinks, GQA 2, 4 experts top-2, YaRN RoPE."""
-    from transformers import GptOssConfig
+    """A random GPT-OSS checkpoint: 2 layers (sliding window 4, full), sinks, GQA 2, 4 experts
+    top-2, YaRN RoPE. Written from our own model class (transformers' import and init would
+    take most of this module's time under the interpreter's budget)."""
+    import json
 
-    from model_helpers import save_tiny
+    from safetensors.torch import save_file
+
+    from deepinfer.models.config import ModelConfig
+    from deepinfer.models.gpt_oss import GptOssForCausalLM
 
     path = tmp_path_factory.mktemp("gpt_oss_triton")
-    save_tiny(path, GptOssConfig(vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=128, initializer_range=0.2, num_local_experts=4,
-                                 num_experts_per_tok=2, sliding_window=4, tie_word_embeddings=False,
-                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 8.0,
-                                                  "original_max_position_embeddings": 32, "beta_fast": 32.0,
-                                                  "beta_slow": 1.0, "truncate": False}))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": 0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                            "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False}}))
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(ModelConfig.from_dir(path))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("layernorm.weight") or name == "model.norm.weight"
+                    else 0.2 * torch.randn_like(p))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return path
 
 
