@@ -1,1 +1,2 @@
-"""Attention and cache kernels: torch reference implementations (Triton versions arrive with issue #14)."""
+"""Attention, cache, norm, rotary and MoE kernels: torch references (attention.py; the norms, rotary and
+experts in models/) and their Triton twins (triton_*.py, issue #14), chosen by select.py."""
