@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Install (once) and run the tests; arguments go to pytest.
+# Install (once) and run the tests; arguments go to pytest. The 25 slowest tests are listed at the end.
 #   bash scripts/test.sh [-k name] [tests/test_x.py] ...
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 set +e
-"$ROOT/.venv/bin/python" -m pytest -q "$@"
+"$ROOT/.venv/bin/python" -m pytest -q --durations=25 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
