@@ -5,7 +5,7 @@ prints its counts (``-s`` shows them) and the module ends with the table of all 
 One mesh for the module (``launcher.Mesh``, the code ``deepinfer up`` runs): 2 tokenizer, kvindex,
 2 prefill and 2 decode workers on the mock engine, and the gateway. The scenarios run in order on
 it and each kill leaves one replica of its role: after the three worker kills the infrastructure
-faults run on one tokenizer, one prefill and one decode worker. The load (``load``): 48 chat
+faults run on one tokenizer, one prefill and one decode worker. The load (``load``): 40 chat
 requests, 12 at a time, half streamed, behind one of two shared system prompts (prefix-cache and
 storage-tier hits), 24-48 output tokens (~0.5-1 s of decode at 20 ms a step), every one asking
 for its token ids. Every answer is checked token by token against the mock's own function of the
@@ -40,7 +40,7 @@ MODEL = DEFAULT_MODEL_NAME
 MOCK = ["--engine", "mock", "--heartbeat-s", "0.5"]
 PREFILL_COST = "0.004,1e-3,1e-9,1e-7"  # ~1 ms a prompt token: a prefill worker holds a queue under load
 DECODE_COST = "0.02,1e-4,1e-9,1e-7"  # 20 ms a step
-N_REQUESTS = 48
+N_REQUESTS = 40
 CONCURRENCY = 12
 HANG_S = 30.0  # every request ends (answer or error) within this, or it counts as hung
 TABLE: dict[str, dict] = {}
@@ -406,3 +406,41 @@ async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_a
     assert got == want  # no gap, no repeat
     assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == 101
     assert 0 in aborts and 101 not in aborts and -1 not in aborts  # the old copy only
+
+
+# --- 8. the soak (``deepinfer bench soak``), briefly ------------------------------------------
+
+
+def test_soak_runs_mixed_load_and_reports_rss_errors_and_drift(mesh, oracle):
+    """A few seconds of ``bench.soak`` against the module's mesh (after its faults): every process
+    sampled in every window, outcomes counted, each chat answer checked, a verdict."""
+    from deepinfer.bench.soak import format_summary, mesh_processes, soak, window_header, window_line
+
+    pids = mesh_processes(mesh)
+    report = asyncio.run(soak(mesh.gateway_url, pids, duration_s=4, concurrency=4, sample_s=0.5, window_s=2,
+                              hang_s=HANG_S, oracle=oracle, model=MODEL))
+    names = list(pids)
+    table = "\n".join([window_header(names), *(window_line(w, names) for w in report.windows)])
+    print(f"\n{table}\n{format_summary(report)}")
+    t = report.totals
+    assert t["sent"] == sum(t[k] for k in ("ok", "wrong", "error", "broken", "hung", "cancelled"))
+    assert t["ok"] >= 10 and t["wrong"] == t["broken"] == t["hung"] == t["error"] == 0, report.errors
+    assert len(report.windows) == 2 and sum(w["ok"] for w in report.windows) == t["ok"], report.windows
+    assert all(w["p50_s"] <= w["p99_s"] for w in report.windows if w["ok"]), report.windows
+    assert {"gateway-0", "nats", "redis", "prefill-1", "decode-1"} <= set(names)
+    assert len(report.samples) >= 5 and all(s["rss"][n] > 1 for s in report.samples for n in names)
+    assert set(report.growth) == set(names) and report.verdict.startswith("flat"), report.verdict
+    assert report.drift.get("p50_ratio") is not None, report.drift
+
+
+def test_soak_verdict_flags_a_growing_process_and_not_a_flat_one():
+    from deepinfer.bench.soak import Outcome, Report, finish_report, slope_per_min
+
+    assert abs(slope_per_min([(0, 100), (60, 110), (120, 120)]) - 10) < 1e-9
+    report = Report(duration_s=600)
+    report.samples = [{"t": t, "rss": {"flat": 200 + (t % 20) / 10, "leaky": 100 + t / 6}} for t in range(0, 601, 10)]
+    finish_report(report, [Outcome("ok", latency_s=1.0), Outcome("hung", error="no end")], 32, 10)
+    assert report.growth["leaky"]["flag"] and not report.growth["flat"]["flag"]
+    assert abs(report.growth["leaky"]["slope_mib_per_min"] - 10) < 0.01  # +50 MiB over the second half
+    assert report.verdict.startswith("GROWTH: leaky") and report.totals["hung"] == 1
+    assert report.errors == {"hung: no end": 1}

@@ -353,14 +353,19 @@ async def soak(url: str, pids: dict[str, int], duration_s: float, concurrency: i
         while time.perf_counter() < end:
             outcomes.append(await send(client, next(specs), hang_s, oracle))
 
+    clients_done = asyncio.Event()
+
     async def sampler() -> None:
         next_window = t0 + window_s
         seen = 0
         while True:
             now = time.perf_counter()
+            if now >= end:  # the last window also counts the requests in flight at the end
+                await clients_done.wait()
             report.samples.append({"t": round(now - t0, 2), "rss": await asyncio.to_thread(rss_mib, pids)})
             if now >= next_window or now >= end:
-                w = window_row(outcomes[seen:], next_window - window_s - t0, min(now, next_window) - t0,
+                w = window_row(outcomes[seen:], next_window - window_s - t0,
+                               (time.perf_counter() if now >= end else min(now, next_window)) - t0,
                                report.samples[-1]["rss"])
                 seen = len(outcomes)
                 report.windows.append(w)
@@ -373,7 +378,10 @@ async def soak(url: str, pids: dict[str, int], duration_s: float, concurrency: i
 
     async with httpx.AsyncClient(base_url=url, timeout=hang_s + 5, limits=limits) as client:
         sampling = asyncio.create_task(sampler())
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        try:
+            await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        finally:
+            clients_done.set()
         await sampling
     finish_report(report, outcomes, growth_mib, growth_pct)
     return report
