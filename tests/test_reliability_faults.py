@@ -167,29 +167,38 @@ async def _few(mesh: Mesh, oracle: MockOracle, seed: int, n: int):
 # --- 1. worker faults -------------------------------------------------------------------------
 
 
-def kill_when_busy(mesh: Mesh, worker: str, timeout: float = 10) -> float:
-    """SIGKILL ``worker`` once it holds a request (its metrics); returns what it held."""
+def kill_when_busy(mesh: Mesh, role: str, timeout: float = 20) -> tuple[str, float]:
+    """SIGKILL the first worker of ``role`` seen holding a request (its metrics); returns its
+    name and what it held. NOTE: any replica, not a named one: on a loaded machine the queue
+    group may leave one replica idle for the whole poll."""
     deadline = time.monotonic() + timeout
-    held = 0.0
-    while time.monotonic() < deadline:
-        held = busy(mesh, worker)
-        if held > 0:
-            break
-        time.sleep(0.02)
-    process(mesh, worker).kill()
-    return held
+    workers = [p.name for p in mesh.processes[role] if p.alive]
+    victim, held = workers[0], 0.0
+    while time.monotonic() < deadline and held == 0:
+        for w in workers:
+            held = busy(mesh, w)
+            if held > 0:
+                victim = w
+                break
+        else:
+            time.sleep(0.02)
+    process(mesh, victim).kill()
+    return victim, held
 
 
 def test_1a_prefill_worker_killed_under_load(mesh, oracle):
-    outs, held, after = asyncio.run(load(mesh, oracle, 1, lambda: kill_when_busy(mesh, "prefill-0"), salted=True))
-    c = counts("kill -9 prefill-0 (1 of 2)", outs, f"; it held {held:.0f} requests; all ended {after:.1f} s after")
+    outs, (victim, held), after = asyncio.run(load(mesh, oracle, 1, lambda: kill_when_busy(mesh, "prefill"),
+                                                   salted=True))
+    c = counts("kill -9 a prefill worker (1 of 2)", outs,
+               f"; {victim} held {held:.0f} requests; all ended {after:.1f} s after")
     assert held > 0
     assert_clean(c)
 
 
 def test_1b_decode_worker_killed_under_load(mesh, oracle):
-    outs, held, after = asyncio.run(load(mesh, oracle, 2, lambda: kill_when_busy(mesh, "decode-0")))
-    c = counts("kill -9 decode-0 (1 of 2)", outs, f"; it held {held:.0f} requests; all ended {after:.1f} s after")
+    outs, (victim, held), after = asyncio.run(load(mesh, oracle, 2, lambda: kill_when_busy(mesh, "decode")))
+    c = counts("kill -9 a decode worker (1 of 2)", outs,
+               f"; {victim} held {held:.0f} requests; all ended {after:.1f} s after")
     assert held > 0
     assert_clean(c)
 
@@ -387,6 +396,7 @@ async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_a
         await client.subscribe(subjects.decode_submit("decode-a"), decode)
         await client.subscribe(subjects.abort("decode", "decode-a"), on_abort)
         await client.nc.flush()
+        await gw_client.nc.flush()
         for role in ("prefill", "decode"):
             registry.observe(LoadReport(role=role, worker_id=f"{role}-a"))
         stream = RequestStream(gw_client, registry, rid)
@@ -427,7 +437,8 @@ def test_soak_runs_mixed_load_and_reports_rss_errors_and_drift(mesh, oracle):
     assert t["ok"] >= 10 and t["wrong"] == t["broken"] == t["hung"] == t["error"] == 0, report.errors
     assert len(report.windows) == 2 and sum(w["ok"] for w in report.windows) == t["ok"], report.windows
     assert all(w["p50_s"] <= w["p99_s"] for w in report.windows if w["ok"]), report.windows
-    assert {"gateway-0", "nats", "redis", "prefill-1", "decode-1"} <= set(names)
+    assert {"gateway-0", "nats", "redis"} <= set(names)
+    assert {n.split("-")[0] for n in names} >= {"prefill", "decode", "tokenizer"}  # the survivors
     assert len(report.samples) >= 5 and all(s["rss"][n] > 1 for s in report.samples for n in names)
     assert set(report.growth) == set(names) and report.verdict.startswith("flat"), report.verdict
     assert report.drift.get("p50_ratio") is not None, report.drift
