@@ -455,3 +455,109 @@ def test_soak_verdict_flags_a_growing_process_and_not_a_flat_one():
     assert abs(report.growth["leaky"]["slope_mib_per_min"] - 10) < 0.01  # +50 MiB over the second half
     assert report.verdict.startswith("GROWTH: leaky") and report.totals["hung"] == 1
     assert report.errors == {"hung: no end": 1}
+
+
+async def test_a_newer_handoff_copy_behind_the_client_resumes_instead_of_stalling(nats_alone):
+    """decode-a (attempt 0) streamed 3 tokens, then prefill's handoff timeout aborted it; prefill's
+    queue-group retry (attempt 1) on decode-b starts from the first token, behind the client, in
+    chunks of several tokens (no chunk starts where the client is). Its chunks were dropped and the
+    request stalled until the inactivity timeout (review of issue #13); now that copy is aborted
+    and the request resumes from the client's 4 tokens, and ends complete."""
+    from deepinfer.gateway.registry import WorkerRegistry
+    from deepinfer.gateway.stream import RequestStream, StreamTimeouts
+    from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
+                                    SubmitReply, TokenChunk)
+
+    rid, want = "copy-1", list(range(500, 510))
+    client = await MeshClient.connect(nats_alone, "workers-t")
+    gw_client = await MeshClient.connect(nats_alone, "gateway-t")
+    resumes, aborts = [], []
+    subject = subjects.stream(rid)
+
+    def chunk(tokens, offset, worker, attempt, role="decode", final=False):
+        return TokenChunk(rid, tokens, role, worker, "length" if final else None, offset=offset,
+                          attempt=attempt if role == "decode" else -1)
+
+    async def prefill(req: PrefillRequest):
+        async def run():
+            await client.publish(subject, chunk(want[:1], 0, "prefill-a", -1, role="prefill"))
+            await client.publish(subject, chunk([], 1, "decode-a", 0))
+            await client.publish(subject, chunk(want[1:4], 1, "decode-a", 0))
+            await client.publish(subject, chunk([], 1, "decode-b", 1))  # the retry, behind the client
+            await client.publish(subject, chunk(want[1:6], 1, "decode-b", 1))
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        return SubmitReply(True, "prefill-a")
+
+    async def decode(req: DecodeRequest):
+        resumes.append(req)
+        n = len(req.output_token_ids)
+
+        async def run():
+            await client.publish(subject, chunk(want[6:], 6, "decode-b", 1, final=True))  # the old retry, late
+            await client.publish(subject, chunk(want[n:], n, "decode-b", req.attempt, final=True))
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        return SubmitReply(True, "decode-b")
+
+    async def on_abort(msg: AbortRequest):
+        aborts.append(msg.attempt)
+
+    registry = WorkerRegistry()
+    try:
+        await client.subscribe(subjects.PREFILL_SUBMIT, prefill, queue=subjects.PREFILL_GROUP)
+        await client.subscribe(subjects.DECODE_SUBMIT, decode, queue=subjects.DECODE_GROUP)
+        for w in ("decode-a", "decode-b"):
+            await client.subscribe(subjects.decode_submit(w), decode)
+            await client.subscribe(subjects.abort("decode", w), on_abort)
+        await client.nc.flush()
+        await gw_client.nc.flush()
+        for role, w in (("prefill", "prefill-a"), ("decode", "decode-a"), ("decode", "decode-b")):
+            registry.observe(LoadReport(role=role, worker_id=w))
+        stream = RequestStream(gw_client, registry, rid, timeouts=StreamTimeouts(inactivity_s=20, tick_s=0.1))
+        await stream.open([1, 2, 3], SamplingParams(max_tokens=len(want), ignore_eos=True))
+        got, t0 = [], time.monotonic()
+        while True:
+            c = await asyncio.wait_for(stream.next_chunk(), 10)
+            got += c.token_ids
+            if c.finish_reason is not None:
+                break
+        took = time.monotonic() - t0
+        await stream.close()
+        await gw_client.nc.flush()
+        await asyncio.sleep(0.2)
+    finally:
+        await gw_client.close()
+        await client.close()
+    assert got == want and took < 5, (got, took)  # complete, no repeat, no stall
+    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt >= 100
+    assert 1 in aborts  # the copy behind the client
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--duration-s", "0"], "--duration-s must be > 0"),
+    (["--concurrency", "0"], "--concurrency must be > 0"),
+    (["--max-tokens", "48", "8"], "--max-tokens MIN MAX needs 1 <= MIN <= MAX"),
+    (["--cancel", "2"], "--cancel is a share in [0, 1]"),
+    (["--url", "notaurl"], "--url must be an http(s) URL"),
+    (["--url", "http://127.0.0.1:9", "--duration-s", "1"], "ConnectError"),
+])
+def test_soak_bad_options_get_one_error_line_and_exit_2(argv, message, capsys):
+    from deepinfer.cli import main
+
+    assert main(["bench", "soak", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_soak_fails_when_nothing_completed_or_a_request_failed():
+    from deepinfer.bench.soak import Report, failed
+
+    def report(**totals):
+        return Report(1.0, totals={k: 0 for k in ("sent", "ok", "wrong", "error", "broken", "hung", "cancelled")} | totals,
+                      verdict="flat: ...")
+
+    assert failed(report(sent=3, ok=3)) is None
+    assert failed(report(sent=0)) == "no request completed"
+    assert "error" in failed(report(sent=3, ok=2, error=1))
+    r = report(sent=3, ok=3)
+    r.verdict = "GROWTH: gateway-0 ..."
+    assert failed(r).startswith("GROWTH")

@@ -23,6 +23,8 @@ Outcomes: ``ok`` (200 and, where checked, correct), ``wrong``, ``error`` (an HTT
 SSE error event: a clear error), ``broken`` (a stream that ended without ``[DONE]`` or an error
 event, or a body that does not parse), ``hung`` (no end within ``--hang-s``), ``cancelled``
 (dropped by the client on purpose). ``--out DIR`` writes ``soak.json`` (samples, windows, verdict).
+Exit codes: 0 clean and flat; 1 any wrong / error / broken / hung outcome, no completed request, or
+GROWTH; 2 bad options, or a mesh that cannot be started or reached.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from pathlib import Path
 
 import httpx
 
-DESCRIPTION = __doc__.split("\n\n")[0]
+DESCRIPTION = ("Run mixed load against the mesh for a set time and report, per window, outcomes, E2E/TTFT "
+               "latency and the RSS of every mesh process; at the end latency drift and a memory verdict. "
+               "Exit 0: clean and flat; 1: a request failed, none completed, or memory grew; 2: bad options "
+               "or the mesh could not be started or reached.")
 KINDS = ("ok", "wrong", "error", "broken", "hung", "cancelled")
 WORDS = ("queue", "worker", "block", "cache", "tenant", "stream", "token", "prefix", "decode", "river",
          "mountain", "lantern", "harbor", "copper", "violet", "signal", "garden", "thunder", "marble", "echo")
@@ -452,13 +457,13 @@ def _f(x, fmt: str = "{:.2f}") -> str:
 
 def window_header(names: list[str]) -> str:
     return (f"{'t (s)':>11} {'ok':>5} {'wrong':>5} {'err':>4} {'brkn':>4} {'hung':>4} {'cncl':>4} "
-            f"{'p50 s':>6} {'p99 s':>6} {'ttft50':>6} | RSS MiB: " + " ".join(f"{n:>10}" for n in names))
+            f"{'e2e50':>6} {'e2e99':>6} {'ttft50':>6} | RSS MiB: " + " ".join(f"{n:>12}" for n in names))
 
 
 def window_line(w: dict, names: list[str]) -> str:
     return (f"{w['t0']:>5.0f}-{w['t1']:<5.0f} {w['ok']:>5} {w['wrong']:>5} {w['error']:>4} {w['broken']:>4} "
             f"{w['hung']:>4} {w['cancelled']:>4} {_f(w['p50_s']):>6} {_f(w['p99_s']):>6} "
-            f"{_f(w['ttft_p50_s'], '{:.3f}'):>6} |          " + " ".join(f"{_f(w['rss'].get(n), '{:.1f}'):>10}"
+            f"{_f(w['ttft_p50_s'], '{:.3f}'):>6} |          " + " ".join(f"{_f(w['rss'].get(n), '{:.1f}'):>12}"
                                                                         for n in names))
 
 
@@ -501,7 +506,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--growth-mib", type=float, default=32.0,
                    help="GROWTH when a process grows more than this over the second half ... (default 32)")
     p.add_argument("--growth-pct", type=float, default=10.0, help="... and more than this %% (default 10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
     p.add_argument("--out", default=None, help="directory for soak.json")
 
 
@@ -523,7 +528,27 @@ def start_mesh(kind: str, prefill: int, decode: int, progress=None):
     return mesh.start(timeout=600, progress=progress)
 
 
-def cli(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first bad option (before any mesh is started)."""
+    positive = {"--duration-s": args.duration_s, "--concurrency": args.concurrency, "--sample-s": args.sample_s,
+                "--window-s": args.window_s, "--hang-s": args.hang_s, "--prefill": args.prefill,
+                "--decode": args.decode}
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    lo, hi = args.max_tokens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens MIN MAX needs 1 <= MIN <= MAX, got {lo} {hi}")
+    if not 0 <= args.cancel <= 1:
+        raise ValueError(f"--cancel is a share in [0, 1], got {args.cancel}")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must be an http(s) URL, got {args.url!r}")
+
+
+def run(args: argparse.Namespace) -> Report:
+    """The soak the command line asks for; prints the table as it goes. Raises ValueError for bad
+    options, OSError / httpx.HTTPError / LauncherError when the mesh cannot be started or reached."""
+    check_arguments(args)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     mesh = None
     try:
@@ -545,8 +570,30 @@ def cli(args: argparse.Namespace) -> int:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
             (out / "soak.json").write_text(json.dumps(asdict(report), indent=1))
-        bad = report.totals["wrong"] + report.totals["broken"] + report.totals["hung"]
-        return 1 if bad or report.verdict.startswith("GROWTH") else 0
+        return report
     finally:
         if mesh is not None:
             mesh.stop()
+
+
+def failed(report: Report) -> str | None:
+    """Why the soak failed (exit 1), or None: no request completed, any wrong / broken / hung /
+    error outcome (a healthy mesh has none; cancellations are the client's), or memory GROWTH."""
+    t = report.totals
+    if t["ok"] == 0:
+        return "no request completed"
+    bad = {k: t[k] for k in ("wrong", "broken", "hung", "error") if t[k]}
+    if bad:
+        return f"requests failed: {bad}"
+    if report.verdict.startswith("GROWTH"):
+        return report.verdict
+    return None
+
+
+def cli(args: argparse.Namespace) -> int:
+    """Exit 2 with one ``error:`` line for bad options or a mesh that cannot be started or reached,
+    1 when the soak failed (``failed``), else 0."""
+    from deepinfer.bench import run_cli
+    from deepinfer.launcher import LauncherError
+
+    return run_cli(run, args, failed, errors=(LauncherError,))

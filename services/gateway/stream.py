@@ -295,16 +295,26 @@ class RequestStream:
         """Whether a decode chunk comes from the copy of the request the stream takes tokens from:
         the one the gateway resumed (pinned), else the first that streamed. Prefill's later handoff
         attempt (its queue-group retry after a targeted handoff timed out and was aborted) replaces
-        it only where it continues exactly (its offset is the tokens the client has); a copy of an
-        earlier attempt is aborted. Tokens from two copies are never mixed."""
+        it where it continues exactly (its offset is the tokens the client has); where it does not
+        (behind the client, or past it), that copy is aborted and the request resumed from the
+        client's tokens, since the older copy may be gone (aborted by prefill) and waiting for it
+        would stall until the inactivity timeout. A copy of an earlier attempt is aborted. Tokens
+        from two copies are never mixed. Raises StreamError when no worker takes the resume."""
         copy = (chunk.worker_id, chunk.attempt)
         if self._pinned_decode:  # (another worker's chunks were dropped above)
             return self._pinned_attempt < 0 or chunk.attempt == self._pinned_attempt
         if self._decode_copy is None or copy == self._decode_copy:
             return True
-        if chunk.attempt > self._decode_copy[1] and chunk.offset == len(self.output_token_ids):
+        have = len(self.output_token_ids)
+        if chunk.attempt > self._decode_copy[1] and chunk.offset == have:
             log.info("decode_copy_replaced", request_id=self.request_id, old=self._decode_copy, new=copy)
             return True
+        if chunk.attempt > self._decode_copy[1] and chunk.offset >= 0 and self.phase is not Phase.FINISHED:
+            if chunk.finish_reason is None:
+                await self._publish_abort("decode", chunk.worker_id, chunk.attempt)
+            await self._failover(f"decode attempt {chunk.attempt} on {chunk.worker_id} starts at token "
+                                 f"{chunk.offset}, the client has {have}", keep=True)
+            return False
         if chunk.attempt < self._decode_copy[1] and chunk.finish_reason is None:
             await self._publish_abort("decode", chunk.worker_id, chunk.attempt)
         return False
