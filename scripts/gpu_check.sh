@@ -12,7 +12,7 @@
 #      call side by side with the ratio.
 #
 # Python: $PYTHON if set, else .venv/bin/python when its torch sees CUDA, else python3
-# (a CUDA build of torch, triton, pytest; transformers for step 2). Where `deepinfer`
+# (a CUDA build of torch, triton, pytest, and deepinfer's own dependencies for step 2). Where `deepinfer`
 # is not installed, the repository is put on PYTHONPATH in its installed layout.
 #
 # Without a CUDA device it says so and exits 1: on a CPU the same tests run under the
@@ -63,7 +63,7 @@ step() {  # step NAME SECONDS command...
     echo
     echo "== $name (limit ${limit}s)"
     local start=$SECONDS
-    timeout "$limit" "$@"
+    timeout -k 10 "$limit" "$@"
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - start))s"
     [[ $rc -eq 0 ]] || failed+=("$name (rc=$rc)")

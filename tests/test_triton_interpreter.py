@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 KERNEL_TESTS = Path(__file__).with_name("test_triton_kernels.py")
-MIN_TESTS = 25  # the module's test count when all run: fewer means some were skipped or lost
+MIN_TESTS = 27  # the module's test count when all run: fewer means some were skipped or lost
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -29,3 +29,19 @@ def test_triton_kernels_pass_under_the_interpreter():
     summary = proc.stdout.strip().splitlines()[-1]
     passed = int(re.search(r"(\d+) passed", summary).group(1))
     assert passed >= MIN_TESTS and "skipped" not in summary, summary
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--kernels", "triton"], {}, "kernels=triton on cpu"),
+    ([], {"DEEPINFER_KERNELS": "bogus"}, "kernels must be one of"),
+])
+def test_a_worker_refuses_impossible_kernels_in_one_line_before_loading_the_model(argv, env, message, monkeypatch,
+                                                                                    capsys):
+    from deepinfer.decode.service import DecodeService
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        DecodeService.main(["--model", "/nonexistent", *argv], "decode")
+    assert e.value.code == 2 and message in capsys.readouterr().err

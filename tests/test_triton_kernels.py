@@ -106,6 +106,9 @@ ATTENTION_CASES = {
     # GPT-OSS: sinks on every head, MHA, window and a 16-token block; allocated but empty blocks
     "sinks_window_mha": ([1, 4, 1], [9, 20, 33], 16, 2, 2, 8, True, (16, 16), {"spare_blocks": 1}),
     "sinks_full_gqa4": ([3, 1], [3, 21], 8, 4, 1, None, True, (None, 16), {}),
+    # a long prefill under a short window: one query tile spans many windows (its first query's
+    # keys start well before its last one's), so the tile's key range must start at its first query
+    "window_long_prefill_tile": ([20, 1], [20, 11], 4, 2, 1, 3, False, (16, 4), {}),
     # window group of a hybrid model: leading blocks released, a replay start (key_starts)
     "released_blocks_replay": ([1, 3], [22, 30], 4, 4, 2, 6, False, (None, 8),
                                {"first_blocks": [3, 5], "key_starts": [10, 25]}),

@@ -20,6 +20,7 @@ from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.experts import ExpertLink, add_expert_args, is_moe, model_id
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
 from deepinfer.engine.mock import MockConfig, MockEngine
+from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore import BlockStore
 from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
@@ -115,6 +116,10 @@ class EngineWorker(Service):
         add_engine_args(p)
         add_expert_args(p)
         args = p.parse_args(argv)
+        try:  # NOTE: the engine places models on the CPU: an impossible --kernels is refused before loading
+            kernel_select.resolve(args.kernels, "cpu")
+        except ValueError as e:
+            p.error(str(e))
         svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
                   args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s,
                   expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks)
