@@ -358,6 +358,8 @@ def test_overload_at_5x_capacity_gets_429_with_retry_after_and_admitted_requests
     assert len(limited) >= len(res) // 2 and len(ok) >= 10
     for r in ok:  # every admitted request streamed all its tokens, in bound
         assert r["error"] is None and r["tokens"] >= 1, r
+    # the SLO itself for the typical admitted request; every one within twice it (a shared CPU's noise)
+    assert percentile(ttft, 50) <= OVERLOAD_SLO_S
     assert max(ttft) <= TTFT_BOUND_S and max(e2e) <= E2E_BOUND_S
     for r in limited:  # Retry-After, and each API's own error shape
         assert r["retry_after"] is not None and int(r["retry_after"]) >= 1
