@@ -26,13 +26,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.bench.soak import MockOracle, Outcome, chat_spec, send
 from deepinfer.launcher import Mesh, start_nats, start_redis
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import KVIndexHealth, KVIndexHealthRequest, subjects
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
+from test_reliability_mesh import scrape
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(300)]
 
@@ -72,12 +72,6 @@ def oracle(mesh):
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def scrape(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url, timeout=5).text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def busy(mesh: Mesh, worker: str) -> float:
