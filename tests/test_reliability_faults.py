@@ -340,46 +340,38 @@ async def test_a_tokenizer_request_lost_with_its_replica_is_sent_again(nats_alon
     assert swallowed and took < 2 * TOKENIZER_RETRY_AFTER_S, (swallowed, took)
 
 
-async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_alone):
-    """A NATS restart lost token chunks in flight: the gateway streamed past the gap (an answer
-    one token short) or, when the final chunk was lost, waited for its inactivity timeout. Chunks
-    carry their offset; here a scripted decode worker loses one: the stream resumes on it from
-    the tokens received (a new attempt), drops the old copy's late chunks, and ends complete."""
+async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_script, decode_script,
+                          decode_workers=("decode-a",)) -> tuple[list[int], float, list, list]:
+    """Open a gateway ``RequestStream`` for ``rid`` against scripted workers and read it to its end.
+    ``prefill_script(publish)`` runs once the prefill is submitted; ``decode_script(publish, req)``
+    once a decode submit (a resume) arrives, answered by ``decode_workers[-1]``. ``publish(tokens,
+    offset, worker, attempt, role="decode", final=False)`` sends a TokenChunk on the stream.
+    Returns (tokens streamed, seconds, the decode submits, the aborts' attempts)."""
     from deepinfer.gateway.registry import WorkerRegistry
-    from deepinfer.gateway.stream import RequestStream
+    from deepinfer.gateway.stream import RequestStream, StreamTimeouts
     from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
                                     SubmitReply, TokenChunk)
 
-    rid, want = "gap-1", list(range(500, 512))
-    client = await MeshClient.connect(nats_alone, "workers-t")
-    gw_client = await MeshClient.connect(nats_alone, "gateway-t")
+    client = await MeshClient.connect(nats_url, "workers-t")
+    gw_client = await MeshClient.connect(nats_url, "gateway-t")
     resumes, aborts = [], []
-    stream_subject = subjects.stream(rid)
+    subject = subjects.stream(rid)
 
-    def chunk(tokens, offset, role="decode", attempt=0, final=False):
-        return TokenChunk(rid, tokens, role, f"{role}-a", "length" if final else None, offset=offset,
-                          attempt=attempt if role == "decode" else -1)
+    async def publish(tokens, offset, worker, attempt, role="decode", final=False):
+        await client.publish(subject, TokenChunk(rid, tokens, role, worker, "length" if final else None,
+                                                 offset=offset, attempt=attempt if role == "decode" else -1))
+
+    def later(coro_fn):
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(coro_fn()))
 
     async def prefill(req: PrefillRequest):
-        async def run():
-            await client.publish(stream_subject, chunk(want[:1], 0, role="prefill"))
-            await client.publish(stream_subject, chunk([], 1))  # decode-a announces itself (attempt 0)
-            await client.publish(stream_subject, chunk(want[1:4], 1))
-            # want[4:6] (offset 4) is lost in transit
-            await client.publish(stream_subject, chunk(want[6:8], 6))
-        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
+        later(lambda: prefill_script(publish))
         return SubmitReply(True, "prefill-a")
 
     async def decode(req: DecodeRequest):
         resumes.append(req)
-        n = len(req.output_token_ids)
-
-        async def run():
-            await client.publish(stream_subject, chunk(want[8:9], 8, attempt=0))  # the old copy, late
-            await client.publish(stream_subject, chunk([], n, attempt=req.attempt))
-            await client.publish(stream_subject, chunk(want[n:], n, attempt=req.attempt, final=True))
-        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
-        return SubmitReply(True, "decode-a")
+        later(lambda: decode_script(publish, req))
+        return SubmitReply(True, decode_workers[-1])
 
     async def on_abort(msg: AbortRequest):
         aborts.append(msg.attempt)
@@ -387,26 +379,54 @@ async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_a
     registry = WorkerRegistry()
     try:
         await client.subscribe(subjects.PREFILL_SUBMIT, prefill, queue=subjects.PREFILL_GROUP)
-        await client.subscribe(subjects.decode_submit("decode-a"), decode)
-        await client.subscribe(subjects.abort("decode", "decode-a"), on_abort)
+        await client.subscribe(subjects.DECODE_SUBMIT, decode, queue=subjects.DECODE_GROUP)
+        for w in decode_workers:
+            await client.subscribe(subjects.decode_submit(w), decode)
+            await client.subscribe(subjects.abort("decode", w), on_abort)
         await client.nc.flush()
-        await gw_client.nc.flush()
-        for role in ("prefill", "decode"):
-            registry.observe(LoadReport(role=role, worker_id=f"{role}-a"))
-        stream = RequestStream(gw_client, registry, rid)
+        await gw_client.nc.flush()  # NOTE: without it, 1 run in ~10 got no responders on the submit
+        registry.observe(LoadReport(role="prefill", worker_id="prefill-a"))
+        for w in decode_workers:
+            registry.observe(LoadReport(role="decode", worker_id=w))
+        stream = RequestStream(gw_client, registry, rid, timeouts=StreamTimeouts(inactivity_s=20, tick_s=0.1))
         await stream.open([1, 2, 3], SamplingParams(max_tokens=len(want), ignore_eos=True))
-        got = []
+        got, t0 = [], time.monotonic()
         while True:
             c = await asyncio.wait_for(stream.next_chunk(), 10)
             got += c.token_ids
             if c.finish_reason is not None:
                 break
+        took = time.monotonic() - t0
         await stream.close()
         await gw_client.nc.flush()
         await asyncio.sleep(0.2)
     finally:
         await gw_client.close()
         await client.close()
+    return got, took, resumes, aborts
+
+
+async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_alone):
+    """A NATS restart lost token chunks in flight: the gateway streamed past the gap (an answer
+    one token short) or, when the final chunk was lost, waited for its inactivity timeout. Chunks
+    carry their offset; here a scripted decode worker loses one: the stream resumes on it from
+    the tokens received (a new attempt), drops the old copy's late chunks, and ends complete."""
+    want = list(range(500, 512))
+
+    async def prefill(publish):
+        await publish(want[:1], 0, "prefill-a", -1, role="prefill")
+        await publish([], 1, "decode-a", 0)  # decode-a announces itself (attempt 0)
+        await publish(want[1:4], 1, "decode-a", 0)
+        # want[4:6] (offset 4) is lost in transit
+        await publish(want[6:8], 6, "decode-a", 0)
+
+    async def decode(publish, req):
+        n = len(req.output_token_ids)
+        await publish(want[8:9], 8, "decode-a", 0)  # the old copy, late
+        await publish([], n, "decode-a", req.attempt)
+        await publish(want[n:], n, "decode-a", req.attempt, final=True)
+
+    got, _, resumes, aborts = await scripted_stream(nats_alone, "gap-1", want, prefill, decode)
     assert got == want  # no gap, no repeat
     assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == 101
     assert 0 in aborts and 101 not in aborts and -1 not in aborts  # the old copy only
@@ -457,70 +477,22 @@ async def test_a_newer_handoff_copy_behind_the_client_resumes_instead_of_stallin
     chunks of several tokens (no chunk starts where the client is). Its chunks were dropped and the
     request stalled until the inactivity timeout (review of issue #13); now that copy is aborted
     and the request resumes from the client's 4 tokens, and ends complete."""
-    from deepinfer.gateway.registry import WorkerRegistry
-    from deepinfer.gateway.stream import RequestStream, StreamTimeouts
-    from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
-                                    SubmitReply, TokenChunk)
+    want = list(range(500, 510))
 
-    rid, want = "copy-1", list(range(500, 510))
-    client = await MeshClient.connect(nats_alone, "workers-t")
-    gw_client = await MeshClient.connect(nats_alone, "gateway-t")
-    resumes, aborts = [], []
-    subject = subjects.stream(rid)
+    async def prefill(publish):
+        await publish(want[:1], 0, "prefill-a", -1, role="prefill")
+        await publish([], 1, "decode-a", 0)
+        await publish(want[1:4], 1, "decode-a", 0)
+        await publish([], 1, "decode-b", 1)  # the retry, behind the client
+        await publish(want[1:6], 1, "decode-b", 1)
 
-    def chunk(tokens, offset, worker, attempt, role="decode", final=False):
-        return TokenChunk(rid, tokens, role, worker, "length" if final else None, offset=offset,
-                          attempt=attempt if role == "decode" else -1)
-
-    async def prefill(req: PrefillRequest):
-        async def run():
-            await client.publish(subject, chunk(want[:1], 0, "prefill-a", -1, role="prefill"))
-            await client.publish(subject, chunk([], 1, "decode-a", 0))
-            await client.publish(subject, chunk(want[1:4], 1, "decode-a", 0))
-            await client.publish(subject, chunk([], 1, "decode-b", 1))  # the retry, behind the client
-            await client.publish(subject, chunk(want[1:6], 1, "decode-b", 1))
-        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
-        return SubmitReply(True, "prefill-a")
-
-    async def decode(req: DecodeRequest):
-        resumes.append(req)
+    async def decode(publish, req):
         n = len(req.output_token_ids)
+        await publish(want[6:], 6, "decode-b", 1, final=True)  # the old retry, late
+        await publish(want[n:], n, "decode-b", req.attempt, final=True)
 
-        async def run():
-            await client.publish(subject, chunk(want[6:], 6, "decode-b", 1, final=True))  # the old retry, late
-            await client.publish(subject, chunk(want[n:], n, "decode-b", req.attempt, final=True))
-        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(run()))
-        return SubmitReply(True, "decode-b")
-
-    async def on_abort(msg: AbortRequest):
-        aborts.append(msg.attempt)
-
-    registry = WorkerRegistry()
-    try:
-        await client.subscribe(subjects.PREFILL_SUBMIT, prefill, queue=subjects.PREFILL_GROUP)
-        await client.subscribe(subjects.DECODE_SUBMIT, decode, queue=subjects.DECODE_GROUP)
-        for w in ("decode-a", "decode-b"):
-            await client.subscribe(subjects.decode_submit(w), decode)
-            await client.subscribe(subjects.abort("decode", w), on_abort)
-        await client.nc.flush()
-        await gw_client.nc.flush()
-        for role, w in (("prefill", "prefill-a"), ("decode", "decode-a"), ("decode", "decode-b")):
-            registry.observe(LoadReport(role=role, worker_id=w))
-        stream = RequestStream(gw_client, registry, rid, timeouts=StreamTimeouts(inactivity_s=20, tick_s=0.1))
-        await stream.open([1, 2, 3], SamplingParams(max_tokens=len(want), ignore_eos=True))
-        got, t0 = [], time.monotonic()
-        while True:
-            c = await asyncio.wait_for(stream.next_chunk(), 10)
-            got += c.token_ids
-            if c.finish_reason is not None:
-                break
-        took = time.monotonic() - t0
-        await stream.close()
-        await gw_client.nc.flush()
-        await asyncio.sleep(0.2)
-    finally:
-        await gw_client.close()
-        await client.close()
+    got, took, resumes, aborts = await scripted_stream(nats_alone, "copy-1", want, prefill, decode,
+                                                       decode_workers=("decode-a", "decode-b"))
     assert got == want and took < 5, (got, took)  # complete, no repeat, no stall
     assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt >= 100
     assert 1 in aborts  # the copy behind the client

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import httpx
 
+from deepinfer.bench import metrics
+
 DESCRIPTION = ("Run mixed load against the mesh for a set time and report, per window, outcomes, E2E/TTFT "
                "latency and the RSS of every mesh process; at the end latency drift and a memory verdict. "
                "Exit 0: clean and flat; 1: a request failed, none completed, or memory grew; 2: bad options "
@@ -317,10 +319,8 @@ def slope_per_min(points: list[tuple[float, float]]) -> float:
 
 
 def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+    """``metrics.percentile`` (linear interpolation, as ``bench serve``), None when empty."""
+    return metrics.percentile(xs, q) if xs else None
 
 
 # --- the run ------------------------------------------------------------------------------------

@@ -70,9 +70,12 @@ class MeshClient:
 
     def __init__(self, nc: nats.NATS):
         self.nc = nc
-        # times the connection came back after a loss: what was in flight then may be lost
-        # (the gateway's streams look for gaps and silence after each, ``gateway/stream.py``)
-        self.reconnects = 0
+
+    @property
+    def reconnects(self) -> int:
+        """Times the connection came back after a loss (nats-py's count): what was in flight then
+        may be lost (the gateway's streams look for gaps and silence after each, ``gateway/stream.py``)."""
+        return self.nc.stats["reconnects"]
 
     @classmethod
     async def connect(cls, url: str, name: str) -> "MeshClient":
@@ -86,12 +89,8 @@ class MeshClient:
         async def on_disconnect():
             log.warning("nats_disconnected")
 
-        client: list[MeshClient] = []
-
         async def on_reconnect():
             log.info("nats_reconnected")
-            if client:
-                client[0].reconnects += 1
 
         nc = await nats.connect(
             url,
@@ -106,8 +105,7 @@ class MeshClient:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
-        client.append(cls(nc))
-        return client[0]
+        return cls(nc)
 
     async def publish(self, subject: str, msg) -> None:
         """Send ``msg``. Raises MessageTooLarge."""
