@@ -1,10 +1,13 @@
 """DeepInferConnector (deepinfer.engine.vllm_connector): KV blocks saved by one vLLM engine are loaded by another.
 
 Three engine processes, in order (each a fresh vLLM engine, so nothing comes from vLLM's own prefix cache):
-  1. with the connector, two prompts' first 200 tokens, max_tokens=1: saves each prompt's first full block;
-  2. (after prompt B's block file is corrupted) with the connector, the whole 260-token prompts, 16 tokens:
-     loads A's block, finds B's corrupt (a miss: recomputed, not an error), saves what it computed;
-  3. without the connector, the same prompts: the reference. Greedy outputs of 2 and 3 must match token for token.
+  1. with the connector, max_tokens=1: prompts A and B (first 200 tokens: a reuse source) and C (whole:
+     a prefill whose first token is handed off); saves each prompt's first full block;
+  2. (after B's block file is corrupted) with the connector, 16 tokens: A and B whole (260 tokens; loads
+     A's block, finds B's corrupt: a miss, recomputed, not an error; saves what it computed), and C plus
+     its first token from 1 (a decode worker after the prefill->decode handoff: loads C's block);
+  3. without the connector, A, B and C: the reference. Greedy outputs of 2 (C: 1's first token, then 2's)
+     must match 3 token for token.
 """
 
 from __future__ import annotations
@@ -45,6 +48,21 @@ TEXT_B = (
     "and you will need a seat-cutting tool, which can be hired cheaply, or a plumber. Keep the old parts in a "
     "labelled bag until the job is finished, and you will need"
 )
+TEXT_C = (
+    "The committee met on Tuesday afternoon to review the plans for the new public library. The architect "
+    "presented three designs: a long, low building of timber and glass beside the park; a tall brick tower "
+    "on the site of the old post office; and a conversion of the disused railway shed near the river. Each "
+    "design was discussed in turn. Members liked the timber building for its light and its gardens, but the "
+    "treasurer worried about the cost of heating so much glass through the winter. The tower would hold the "
+    "most books on the smallest plot, yet several people felt that a library should not look like an office. "
+    "The railway shed drew the longest debate. It was the cheapest option, it would save a handsome old "
+    "structure from demolition, and its high iron roof could shelter reading rooms, a café and a space for "
+    "children's events. Against it, the site flooded every few years, and the access road was narrow and "
+    "badly lit. After two hours the chair asked for a show of hands. Four members voted for the timber "
+    "building, two for the tower, and five for the railway shed, on the condition that the flood defences "
+    "along the river be raised first. The architect promised revised drawings within a month, and the "
+    "meeting closed as the"
+)
 FIRST, FULL, NEW_TOKENS = 200, 260, 16
 
 
@@ -54,10 +72,11 @@ def runs(model_dir, tmp_path_factory):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     a, b = (tok(t)["input_ids"][:FULL] for t in (TEXT_A, TEXT_B))
+    c = tok(TEXT_C)["input_ids"]
     assert len(a) == len(b) == FULL
     tmp = tmp_path_factory.mktemp("vllm")
     root = tmp / "kv"
-    first = run_engine(model_dir, [a[:FIRST], b[:FIRST]], 1, root, tmp)
+    first = run_engine(model_dir, [a[:FIRST], b[:FIRST], c], 1, root, tmp)
     bs = first["connector"]["block_size"]
     assert bs <= FIRST - 1, f"block size {bs}: the prompts hold no full block"
     fingerprint = model_fingerprint(model_dir, "float32", bs, "vllm-cpu")
@@ -68,29 +87,38 @@ def runs(model_dir, tmp_path_factory):
     corrupt = bytearray(files[key_b].read_bytes())
     corrupt[-8] ^= 0xFF  # payload byte: the checksum no longer matches
     files[key_b].write_bytes(bytes(corrupt))
-    second = run_engine(model_dir, [a, b], NEW_TOKENS, root, tmp)
-    reference = run_engine(model_dir, [a, b], NEW_TOKENS, None, tmp)
-    return dict(model_dir=model_dir, a=a, b=b, bs=bs, root=root, fingerprint=fingerprint, files=files,
+    handoff = c + first["outputs"][2]["token_ids"]
+    second = run_engine(model_dir, [a, b, handoff], NEW_TOKENS, root, tmp)
+    reference = run_engine(model_dir, [a, b, c], NEW_TOKENS, None, tmp)
+    return dict(model_dir=model_dir, a=a, b=b, c=c, bs=bs, root=root, fingerprint=fingerprint, files=files,
                 store=store, key_b=key_b, pristine_b=pristine_b, first=first, second=second, reference=reference)
 
 
 def test_first_engine_saves_full_prompt_blocks_under_our_hashes(runs):
     bs, fp = runs["bs"], runs["fingerprint"]
     assert fp != model_fingerprint(runs["model_dir"], "float32", bs)  # never the native engine's directory
-    expected = {block_hashes(p[:FIRST], bs, fp)[0] for p in (runs["a"], runs["b"])}
+    expected = {block_hashes(p, bs, fp)[0] for p in (runs["a"][:FIRST], runs["b"][:FIRST], runs["c"])}
     assert set(runs["files"]) == expected
-    assert runs["first"]["connector"]["blocks_saved"] == 2
+    assert runs["first"]["connector"]["blocks_saved"] == 3
     assert runs["first"]["connector"]["blocks_loaded"] == 0
 
 
 def test_second_engine_loads_the_prefix_and_matches_a_run_without_connector(runs):
     second, reference = runs["second"], runs["reference"]
-    assert second["connector"]["blocks_loaded"] == 1  # A's block (B's is corrupt)
+    assert second["connector"]["blocks_loaded"] == 2  # A's and C's blocks (B's is corrupt)
     assert second["outputs"][0]["num_cached_tokens"] == runs["bs"]
     assert reference["outputs"][0]["num_cached_tokens"] == 0
-    for got, want in zip(second["outputs"], reference["outputs"]):
-        assert len(want["token_ids"]) == NEW_TOKENS
-        assert got["token_ids"] == want["token_ids"]
+    assert len(reference["outputs"][0]["token_ids"]) == NEW_TOKENS
+    assert second["outputs"][0]["token_ids"] == reference["outputs"][0]["token_ids"]
+
+
+def test_prefill_decode_handoff_through_the_store_matches_a_single_process_run(runs):
+    """Prefill (engine 1: C's first token, its blocks saved) -> decode (engine 2: C + that token, the
+    stored prefix loaded, the partial last block recomputed) == engine 3's 16 tokens of C."""
+    prefill, decode, reference = runs["first"], runs["second"], runs["reference"]
+    assert decode["outputs"][2]["num_cached_tokens"] == runs["bs"] * ((len(runs["c"])) // runs["bs"])
+    streamed = prefill["outputs"][2]["token_ids"] + decode["outputs"][2]["token_ids"][:NEW_TOKENS - 1]
+    assert streamed == reference["outputs"][2]["token_ids"]
 
 
 def test_corrupt_block_is_a_miss_recomputed_and_saved_again(runs):
