@@ -15,54 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_engine
+from texts import TEXT_A, TEXT_B, TEXT_C
 
 from deepinfer.kvstore import BlockStore
 from deepinfer.kvstore.hashing import block_hashes, model_fingerprint
 
-TEXT_A = (
-    "Marta had kept the lighthouse on the northern cape for eleven winters when the letter arrived. It was "
-    "written in a careful, slanted hand she did not recognise, and it asked whether she remembered a boy who "
-    "had once rowed out to the rocks during a storm to bring her a basket of oranges. She did remember him. "
-    "He had been perhaps twelve, soaked through and laughing, and he had refused to stay for soup because his "
-    "mother would worry. The letter said that he was now a ship's engineer, that his vessel would pass the "
-    "cape on the last night of October, and that he wanted to signal her as they went by. Marta read it three "
-    "times, folded it into her coat pocket, and climbed the spiral stairs to polish the great lens, although "
-    "it was already clean. For the next two weeks she checked the weather charts every morning, repaired the "
-    "cracked shutter on the lamp room, and practised the old signal code with a hand lantern in the kitchen, "
-    "feeling slightly foolish each time. On the last night of October the sea was calm and the sky was full "
-    "of stars. She made tea, wound the clock, and sat by the window with the lantern on her knees, listening to "
-    "the slow breathing of the sea against the rocks below. Just after midnight she saw the lights of a "
-    "freighter far out on the horizon, and then"
-)
-TEXT_B = (
-    "To repair a leaking kitchen tap, first turn off the water supply under the sink and open the tap to drain "
-    "the remaining water. Cover the plughole with a cloth so that small screws cannot fall into the drain. Prise "
-    "off the decorative cap on top of the handle with a flat screwdriver, undo the screw beneath it, and lift "
-    "the handle away. Use an adjustable spanner to loosen the packing nut, then unscrew the valve stem by hand. "
-    "At the bottom of the stem you will find a rubber washer held in place by a brass screw; a washer that is "
-    "flattened, cracked or hardened is the usual cause of a drip. Take the old washer to a hardware shop so that "
-    "you can buy an exact match, because a washer that is even slightly too small will not seal. Fit the new "
-    "washer, tighten the brass screw, and smear a little plumber's grease on the threads of the stem before "
-    "reassembling everything in reverse order. Turn the water back on slowly and check for leaks around the "
-    "packing nut. If the tap still drips after a new washer has been fitted, the valve seat itself may be worn, "
-    "and you will need a seat-cutting tool, which can be hired cheaply, or a plumber. Keep the old parts in a "
-    "labelled bag until the job is finished, and you will need"
-)
-TEXT_C = (
-    "The committee met on Tuesday afternoon to review the plans for the new public library. The architect "
-    "presented three designs: a long, low building of timber and glass beside the park; a tall brick tower "
-    "on the site of the old post office; and a conversion of the disused railway shed near the river. Each "
-    "design was discussed in turn. Members liked the timber building for its light and its gardens, but the "
-    "treasurer worried about the cost of heating so much glass through the winter. The tower would hold the "
-    "most books on the smallest plot, yet several people felt that a library should not look like an office. "
-    "The railway shed drew the longest debate. It was the cheapest option, it would save a handsome old "
-    "structure from demolition, and its high iron roof could shelter reading rooms, a café and a space for "
-    "children's events. Against it, the site flooded every few years, and the access road was narrow and "
-    "badly lit. After two hours the chair asked for a show of hands. Four members voted for the timber "
-    "building, two for the tower, and five for the railway shed, on the condition that the flood defences "
-    "along the river be raised first. The architect promised revised drawings within a month, and the "
-    "meeting closed as the"
-)
 FIRST, FULL, NEW_TOKENS = 200, 260, 16
 
 

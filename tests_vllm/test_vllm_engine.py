@@ -1,0 +1,86 @@
+"""VllmEngine (deepinfer.engine.vllm_engine): vLLM stepped in-process behind our request surface.
+
+Refusals are checked without loading a model. Then three engine processes: a prefill-only VllmEngine
+(first token, finish "handoff", blocks saved by the connector), a decode VllmEngine (prompt + that token
+as ``output_token_ids``, the prefix loaded from the storage tier, tokens streamed step by step, one
+request aborted mid-way) and vLLM's own ``LLM.generate`` without the connector as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_engine, run_json, write_json
+from texts import TEXT_A, TEXT_C
+
+from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.spec_decode import SpecConfig
+from deepinfer.engine.vllm_engine import UnsupportedOnVllm, VllmEngine, unsupported
+
+NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("cfg, hf, needle", [
+    (EngineConfig(block_size=128, speculative=SpecConfig("ngram", 5, "adaptive")), {}, "adaptive verification"),
+    (EngineConfig(block_size=128, batch_invariant=True), {}, "--batch-invariant"),
+    (EngineConfig(block_size=16), {}, "multiple of 32"),
+    (EngineConfig(block_size=128), {"sliding_window": 512, "layer_types": ["sliding_attention"]}, "bounded SWA replay"),
+    (EngineConfig(block_size=128), {"num_experts": 8}, "expert load balancing"),
+])
+def test_mesh_features_vllm_lacks_are_refused_before_loading(tmp_path, cfg, hf, needle):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **hf}))
+    with pytest.raises(UnsupportedOnVllm, match=needle):
+        VllmEngine(tmp_path, cfg)  # no weights here: the refusal comes before vLLM loads anything
+
+
+def test_the_default_model_and_config_are_accepted(model_dir):
+    assert unsupported(EngineConfig(block_size=128), model_dir) == []
+    # a prefill-only engine never speculates, so a worker-wide --speculative does not block it
+    assert unsupported(EngineConfig(block_size=128, prefill_only=True, speculative=SpecConfig()), model_dir) == []
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    a, c = tok(TEXT_A)["input_ids"][:260], tok(TEXT_C)["input_ids"]
+    tmp = tmp_path_factory.mktemp("vllm-engine")
+    root = tmp / "kv"
+    prefill = run_json("vllm_engine_run.py", [
+        "--model", str(model_dir), "--kv-root", str(root), "--prefill-only", "--requests", str(write_json(tmp, [
+            {"id": "a", "prompt": a, "output": [], "max_tokens": NEW_TOKENS},
+            {"id": "c", "prompt": c, "output": [], "max_tokens": NEW_TOKENS}]))])
+    first = {rid: prefill["chunks"][rid][0][0] for rid in ("a", "c")}
+    decode = run_json("vllm_engine_run.py", [
+        "--model", str(model_dir), "--kv-root", str(root), "--requests", str(write_json(tmp, [
+            {"id": "a", "prompt": a, "output": first["a"], "max_tokens": NEW_TOKENS},
+            {"id": "c", "prompt": c, "output": first["c"], "max_tokens": NEW_TOKENS},
+            {"id": "x", "prompt": a[:50], "output": [], "max_tokens": NEW_TOKENS, "abort_after_steps": 3}]))])
+    reference = run_engine(model_dir, [a, c], NEW_TOKENS, None, tmp)
+    return dict(prefill=prefill, decode=decode, reference=reference, first=first)
+
+
+def test_prefill_only_engine_samples_one_token_and_hands_off(runs):
+    for rid in ("a", "c"):
+        assert runs["prefill"]["chunks"][rid] == [[runs["first"][rid], "handoff", 0]]
+    assert not runs["prefill"]["unfinished"]
+
+
+def test_decode_engine_streams_what_a_single_vllm_run_generates(runs):
+    decode, reference = runs["decode"], runs["reference"]
+    for i, rid in enumerate(("a", "c")):
+        chunks = decode["chunks"][rid]
+        assert len(chunks) == NEW_TOKENS - 1  # one token per step: streamed, not all at the end
+        assert [ch[1] for ch in chunks] == [None] * (NEW_TOKENS - 2) + ["length"]
+        assert chunks[0][2] > 0  # the stored prefix came from the storage tier
+        streamed = runs["first"][rid] + [t for ch in chunks for t in ch[0]]
+        assert streamed == reference["outputs"][i]["token_ids"]
+
+
+def test_abort_stops_a_request_mid_stream(runs):
+    decode = runs["decode"]
+    assert decode["aborted"] == ["x"]
+    assert 1 <= len(decode["chunks"]["x"]) <= 3 and all(ch[1] is None for ch in decode["chunks"]["x"])
+    assert not decode["unfinished"]
