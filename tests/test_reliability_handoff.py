@@ -37,7 +37,7 @@ def nats_url(tmp_path):
 
 def decode_request(request_id: str, attempt: int = 0) -> DecodeRequest:
     return DecodeRequest(request_id=request_id, prompt_token_ids=list(range(300, 340)), output_token_ids=[500],
-                         sampling=SamplingParams(max_tokens=4000, ignore_eos=True),  # ~4 s of mock steps: still running at the checks
+                         sampling=SamplingParams(max_tokens=4000, ignore_eos=True),  # ~4 s: still running at the checks
                          stream_subject=subjects.stream(request_id), kv_block_keys=[], num_kv_tokens=0, block_size=16,
                          attempt=attempt)
 
