@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -202,25 +201,6 @@ def test_models_and_health(mesh):
     assert health.json()["kv_index"]["redis_ok"] is True
 
 
-def test_killing_decode_mid_stream_ends_the_request_with_an_error(make_mesh):
-    m = make_mesh()
-    client = openai.OpenAI(base_url=m.gateway_url + "/v1", api_key="t", max_retries=0, timeout=120)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Tell me a very long story."}], max_tokens=2000,
-        temperature=0, stream=True, extra_body={"ignore_eos": True})
-    received, killed_at = 0, None
-    with pytest.raises(openai.APIError):
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                received += 1
-            if received == 5 and killed_at is None:
-                m.processes["decode"][0].kill()
-                killed_at = time.monotonic()
-    assert killed_at is not None
-    elapsed = time.monotonic() - killed_at
-    assert elapsed < 10, f"error came {elapsed:.1f}s after the kill"
-    # The gateway itself is fine: health now reports no decode worker.
-    deadline = time.monotonic() + 10
-    while httpx.get(m.gateway_url + "/health").status_code != 503 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert httpx.get(m.gateway_url + "/health").status_code == 503
+# Killing the decode worker mid-stream (issue #1): tests/test_failover.py's
+# test_only_decode_worker_killed_ends_the_stream_with_a_clear_error_event (mock workers: the gateway's
+# path is the same, and a real engine here cost a private mesh of ~50 s).
