@@ -467,6 +467,10 @@ class Mesh:
     def service_env(self) -> dict[str, str]:
         """The environment every service process gets."""
         env = dict(os.environ)
+        # Several torch processes share the cores here: OpenMP threads that spin while they wait
+        # (libgomp's default) take the cores from the other processes' threads. Measured: a 22-step
+        # engine trace beside a loaded mesh took 43.6 s spinning, 4.2 s passive (docs/benchmarks.md).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.update(
             DEEPINFER_NATS_URL=self.nats_url,
             DEEPINFER_REDIS_URL=self.redis_url,

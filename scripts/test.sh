@@ -5,6 +5,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+# the tests run engines in pytest and in several mesh processes at once: OpenMP threads must not
+# spin while they wait, or each process's threads take the cores from the others' (libs/launcher.py)
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 set +e
 "$ROOT/.venv/bin/python" -m pytest -q --durations=25 "$@"
 rc=$?
