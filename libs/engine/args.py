@@ -57,9 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fixed (every draft up to γ); default adaptive")
     p.add_argument("--draft-layers", type=_positive, default=None,
                    help="layers of the self-draft (default: a quarter of the model's)")
-    p.add_argument("--engine", choices=["native", "mock"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
+    p.add_argument("--engine", choices=["native", "mock", "vllm"], default=os.environ.get("DEEPINFER_ENGINE", "native"),
                    help="native: the model; mock: no model, steps sleep by a timing model, deterministic "
-                        "tokens (engine/mock.py; env DEEPINFER_ENGINE; default native)")
+                        "tokens (engine/mock.py); vllm: vLLM's engine in-process, KV through the storage tier "
+                        "(needs deepinfer[vllm] and --block-size a multiple of 32; docs/vllm_backend.md) "
+                        "(env DEEPINFER_ENGINE; default native)")
     p.add_argument("--mock-cost", default=None, metavar="A,B,D,E",
                    help="mock timing model: s/step, s/token, s/token pair, s/key gathered "
                         "(default: fitted on SmolLM2-135M, 2-core CPU)")

@@ -140,7 +140,8 @@ class DeepInferConnector(KVConnectorBase_V1):
 
     Counters (each role counts its own side; read them in-process, e.g. with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``blocks_loaded``, ``blocks_saved``,
-    ``load_errors`` (worker), ``tokens_matched`` (scheduler: external tokens granted).
+    ``load_errors`` (worker), ``tokens_matched`` / ``tokens_queried`` (scheduler: external tokens
+    granted / prompt tokens of the requests scheduled).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
@@ -162,6 +163,7 @@ class DeepInferConnector(KVConnectorBase_V1):
         self._matched: dict[str, int] = {}  # request id -> leading stored prompt blocks (last lookup)
         self._pending_loads: list[BlockTransfer] = []
         self.tokens_matched = 0
+        self.tokens_queried = 0
         # worker side
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
@@ -202,6 +204,7 @@ class DeepInferConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         """Queue the load of the ``num_external_tokens // block_size`` blocks granted by the last
         ``get_num_new_matched_tokens`` into the request's newly allocated vLLM blocks."""
+        self.tokens_queried += len(request.prompt_token_ids or ())
         if num_external_tokens <= 0:
             return
         end = self._matched[request.request_id]

@@ -9,7 +9,9 @@ the tokens sampled that step: streaming) and ``has_unfinished``. The KV moves th
 connector, not through ``StepOutput.kv_blocks`` / ``load_prefix``: a prefill-only engine
 saves the prompt's full blocks as it computes them, a decode engine loads them when a
 request (prompt + the tokens already streamed) arrives. The prefill and decode services
-are not wired to it yet (docs/vllm_backend.md).
+run it with ``--engine vllm`` (``EngineWorker``; docs/vllm_backend.md); ``StepOutput.kv_blocks``
+stays None, ``num_kv_tokens`` / ``num_exact_blocks`` count the prompt's full blocks (those the
+connector saved), and ``load_fields`` stands in for the native engine's load-report counters.
 
 Mesh features this backend does not implement are refused, never ignored:
 ``unsupported(cfg)`` lists them at start-up (``VllmEngine`` raises ``UnsupportedOnVllm``):
@@ -22,6 +24,7 @@ output, images and ``swa_replay``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -91,7 +94,7 @@ class VllmEngine:
 
         from deepinfer.engine.vllm_connector import kv_transfer_config, vllm_fingerprint
 
-        self.config = cfg
+        self.config = dataclasses.replace(cfg, async_scheduling=False)  # vLLM overlaps its own steps
         args = EngineArgs(model=str(model_dir), dtype=cfg.dtype, block_size=cfg.block_size,
                           max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -102,7 +105,13 @@ class VllmEngine:
         self.max_model_len: int = vcfg.model_config.max_model_len
         self.vocab_size: int = vcfg.model_config.get_vocab_size()
         self.fingerprint: str = vllm_fingerprint(vcfg)
+        m, par = vcfg.model_config, vcfg.parallel_config
+        # one block over all layers: [layers, Hkv, block_size, 2 * head_dim] (engine.vllm_connector)
+        self.block_bytes: int = (m.get_num_layers(par) * m.get_num_kv_heads(par) * cfg.block_size * 2
+                                 * m.get_head_size() * vcfg.model_config.dtype.itemsize)
         self._requests: dict[str, tuple[int, int]] = {}  # id -> (prompt tokens, max_tokens asked)
+        self.num_steps = 0
+        self.num_finished_requests = 0
 
     def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),
                       sampling: SamplingParams | None = None) -> None:
@@ -154,10 +163,34 @@ class VllmEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def fail_all(self) -> list:
+        """After a step raised: abort every request here (the caller reports them as failed); returns []."""
+        ids, self._requests = list(self._requests), {}
+        if ids:
+            self.engine.abort_request(ids)
+        return []
+
+    def load_fields(self) -> dict:
+        """``LoadReport`` fields of this engine now (counters read from another thread: approximate).
+        ``prefix_hit_tokens`` / ``prefix_queried_tokens``: prompt tokens loaded from the storage tier by
+        the connector / prompt tokens scheduled (vLLM's own prefix-cache hits are not counted); the
+        native engine's cost model, queued-prefill prediction and prefix-path counts are absent (0)."""
+        sched = self.engine.engine_core.engine_core.scheduler
+        capacity = sched.kv_cache_manager.block_pool.num_gpu_blocks * self.config.block_size
+        conn = sched.connector
+        return dict(active_requests=len(sched.running), waiting_requests=len(sched.waiting),
+                    kv_tokens_used=int(sched.kv_cache_manager.usage * capacity), kv_tokens_capacity=capacity,
+                    steps=self.num_steps, block_size=self.config.block_size, engine=self.engine_kind,
+                    fingerprint=self.fingerprint, kv_block_bytes=self.block_bytes,
+                    finished_requests=self.num_finished_requests,
+                    prefix_hit_tokens=getattr(conn, "tokens_matched", 0),
+                    prefix_queried_tokens=getattr(conn, "tokens_queried", 0))
+
     def step(self) -> list[StepOutput]:
         """One vLLM step: a ``StepOutput`` per request that got tokens or finished (its last one
         carries ``finish_reason``: "stop", "length", "abort", or "handoff" on a prefill-only engine)."""
         outs = []
+        self.num_steps += 1
         for ro in self.engine.step():
             known = self._requests.get(ro.request_id)
             if known is None:
@@ -168,6 +201,9 @@ class VllmEngine:
                 reason = "handoff"
             if ro.finished:
                 self._requests.pop(ro.request_id, None)
+                self.num_finished_requests += 1
+            full = known[0] // self.config.block_size * self.config.block_size  # tokens in full prompt blocks
             outs.append(StepOutput(request_id=ro.request_id, new_token_ids=list(c.token_ids), finish_reason=reason,
-                                   num_prompt_tokens=known[0], num_cached_tokens=ro.num_cached_tokens or 0))
+                                   num_prompt_tokens=known[0], num_cached_tokens=ro.num_cached_tokens or 0,
+                                   num_kv_tokens=full, num_exact_blocks=full // self.config.block_size))
         return outs

@@ -1,7 +1,7 @@
 """Base of the engine workers (prefill, decode): an ``LLMEngine`` on its thread inside a mesh ``Service``.
 
-It owns what both workers share: the engine (``LLMEngine``, or ``MockEngine``
-with ``--engine mock``) and its thread, the storage-tier
+It owns what both workers share: the engine (``LLMEngine``, ``MockEngine``
+with ``--engine mock``, or ``VllmEngine`` with ``--engine vllm``) and its thread, the storage-tier
 ``BlockStore`` (rooted at the engine's model fingerprint, so both sides agree
 on block names), the I/O thread pool, load reports (every ``--heartbeat-s``:
 queue, KV use, queued prefill compute, cost model, prefix hits), draining (wait for
@@ -35,9 +35,15 @@ class EngineWorker(Service):
 
     def __init__(self, nats_url: str, model_dir: str, engine_cfg: EngineConfig, kv_root: str,
                  worker_id: str | None = None, mock: MockConfig | None = None, heartbeat_s: float = 1.0,
-                 expert_stats_s: float = 5.0, ep_ranks: int = 1):
+                 expert_stats_s: float = 5.0, ep_ranks: int = 1, engine_kind: str = "native"):
         super().__init__(nats_url, worker_id, heartbeat_s)
-        self.engine = LLMEngine(model_dir, engine_cfg) if mock is None else MockEngine(model_dir, engine_cfg, mock)
+        if engine_kind == "vllm":  # NOTE: imported here: vllm is an optional extra (deepinfer[vllm])
+            from deepinfer.engine.vllm_engine import VllmEngine
+
+            self.engine = VllmEngine(model_dir, engine_cfg, kv_root)
+        else:
+            self.engine = (LLMEngine(model_dir, engine_cfg) if mock is None
+                           else MockEngine(model_dir, engine_cfg, mock))
         self.experts = (ExpertLink(self.engine, model_id(model_dir), self.worker_id, self.role, expert_stats_s,
                                    ep_ranks) if is_moe(self.engine) else None)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
@@ -69,6 +75,8 @@ class EngineWorker(Service):
     def load_report(self) -> LoadReport:
         """The engine's load now (runs on the service's loop while the engine thread steps:
         reads counters and ``queued_prefill``, which are safe to read from here)."""
+        if self.engine.engine_kind == "vllm":  # no cost model / block manager of ours
+            return LoadReport(role=self.role, worker_id=self.worker_id, **self.engine.load_fields())
         e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
         queued_tokens, queued_s = e.queued_prefill()
         swa = getattr(e, "swa_cache", None)
@@ -120,7 +128,14 @@ class EngineWorker(Service):
             kernel_select.resolve(args.kernels, "cpu")
         except ValueError as e:
             p.error(str(e))
-        svc = cls(args.nats, str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only),
-                  args.kv_root, args.worker_id, mock=mock_config(args), heartbeat_s=args.heartbeat_s,
-                  expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks)
+        model_dir, cfg = str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only)
+        if args.engine == "vllm":  # mesh features vLLM lacks: refused here, never ignored
+            from deepinfer.engine.vllm_engine import unsupported
+
+            why = unsupported(cfg, model_dir)
+            if why:
+                p.error("not available on --engine vllm: " + "; ".join(why))
+        svc = cls(args.nats, model_dir, cfg, args.kv_root, args.worker_id, mock=mock_config(args),
+                  heartbeat_s=args.heartbeat_s, expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks,
+                  engine_kind=args.engine)
         run_service(svc, args.log_level, metrics_port=args.metrics_port)

@@ -95,7 +95,10 @@ class DecodeService(EngineWorker):
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
         self.requests[req.request_id] = req
         with tracer().start_as_current_span("decode.load") as span:
-            kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
+            if self.engine.engine_kind == "vllm":  # its connector loads the stored prefix (engine.vllm_connector)
+                kv, complete = None, False
+            else:
+                kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
             span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
                                  "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
                                  "deepinfer.kv.complete": complete})

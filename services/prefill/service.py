@@ -194,6 +194,8 @@ class PrefillService(EngineWorker):
         token), so a fully stored prompt loads all blocks but one. Returns the
         number of blocks loaded.
         """
+        if self.engine.engine_kind == "vllm":  # its connector loads stored blocks itself (engine.vllm_connector)
+            return 0
         bs = self.engine.config.block_size
         hashes = self.prompt_hashes(req)[: (len(req.prompt_token_ids) - 1) // bs]
         local = self.engine.cached_prefix_blocks(hashes)  # NOTE: a read-only hint from another thread
@@ -258,6 +260,7 @@ class PrefillService(EngineWorker):
                 chunk.error = "prefill engine failed"
             await self.mesh.publish(req.stream_subject, chunk)
             if out.kv_blocks is not None:  # ended at its first token: its prompt is still worth reusing
+                # (--engine vllm: its connector stored the blocks already)
                 try:
                     with tracer().start_as_current_span("prefill.store"):
                         await self.store_and_announce(req, out)
@@ -315,7 +318,18 @@ class PrefillService(EngineWorker):
 
     async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
-        (in the background); returns the keys of all blocks and of their window parts."""
+        (in the background); returns the keys of all blocks and of their window parts.
+        ``--engine vllm``: its connector wrote the prompt's full blocks during the step (retention
+        class "chat"); only those found in the tier are announced and handed off."""
+        if self.engine.engine_kind == "vllm":
+            keys = self.prompt_hashes(req)[: len(req.prompt_token_ids) // self.engine.config.block_size]
+            n = await asyncio.get_running_loop().run_in_executor(  # the leading run of them in the tier
+                self.io, lambda: next((i for i, k in enumerate(keys) if not self.store.contains(k, "chat")), len(keys)))
+            stored = keys[:n]
+            if stored:
+                self.spawn(self.index.publish_stored(stored, "chat", self.engine.block_bytes,
+                                                     self.engine.config.block_size))
+            return stored, []
         keys, window_keys, stored = await asyncio.get_running_loop().run_in_executor(
             self.io, self.store_blocks, req, out)
         if stored:

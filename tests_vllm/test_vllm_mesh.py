@@ -1,0 +1,81 @@
+"""The mesh with ``--engine vllm`` prefill and decode workers: the skeleton's end-to-end checks
+(official openai client, a real SmolLM2 answer, streaming = non-streaming), KV handed off through
+the storage tier by the connector; and the start-up refusal of a mesh feature vLLM lacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from deepinfer.launcher import Mesh
+from deepinfer.models.convert import DEFAULT_MODEL_NAME
+
+VLLM_ARGS = ["--engine", "vllm", "--block-size", "128"]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, model_dir):
+    m = Mesh(workdir=tmp_path_factory.mktemp("vllm-mesh"), extra_args={"prefill": VLLM_ARGS, "decode": VLLM_ARGS},
+             env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    m.start(timeout=600)
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def client(mesh):
+    c = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="test", max_retries=0, timeout=300)
+    yield c
+    c.close()
+
+
+def chat(client, content, **kw):
+    kw.setdefault("max_tokens", 32)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": content}],
+                                          **kw)
+
+
+def test_capital_of_france_through_vllm_workers(client):
+    resp = chat(client, "What is the capital of France?")
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 10 and resp.usage.completion_tokens > 1  # decode ran after the handoff
+
+
+def test_streamed_deltas_concatenate_to_the_non_streamed_text(client):
+    content = "Write two sentences about the moon."
+    full = chat(client, content, max_tokens=40).choices[0].message.content
+    stream = chat(client, content, max_tokens=40, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == full
+    assert len(full) > 20
+
+
+def hit_tokens(mesh, worker: str) -> float:
+    """The worker's ``deepinfer_engine_prefix_hit_tokens_total`` (vLLM: tokens its connector loaded)."""
+    text = httpx.get(mesh.metrics_urls[worker], timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("deepinfer_engine_prefix_hit_tokens_total"))
+
+
+def test_long_prompt_handoff_loads_the_stored_prefix(mesh, client):
+    """A prompt over three blocks: prefill's connector stores its full blocks, decode's loads them
+    (decode's prompt is the prompt + the first token, so every full prompt block)."""
+    before = hit_tokens(mesh, "decode-0")
+    text = "Here is a list of fruits: " + ", ".join(f"fruit number {i}" for i in range(60)) + ". How many are there?"
+    resp = chat(client, text, max_tokens=8)
+    n = resp.usage.prompt_tokens
+    assert n > 3 * 128 and resp.choices[0].message.content
+    assert len(list(mesh.kv_root.rglob("*.kvb"))) >= n // 128
+    assert hit_tokens(mesh, "decode-0") - before == n // 128 * 128
+
+
+def test_speculative_decoding_is_refused_at_start_up(model_dir):
+    p = subprocess.run([sys.executable, "-m", "deepinfer.cli", "serve", "decode", *VLLM_ARGS, "--speculative", "ngram",
+                        "--nats", "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "not available on --engine vllm: speculative decoding (ngram, adaptive verification)" in p.stderr
