@@ -4,6 +4,7 @@ the storage tier by the connector; and the start-up refusal of a mesh feature vL
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -11,7 +12,9 @@ import httpx
 import openai
 import pytest
 
+from deepinfer.kvstore import KVIndexClient
 from deepinfer.launcher import Mesh
+from deepinfer.mesh import MeshClient
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 
 VLLM_ARGS = ["--engine", "vllm", "--block-size", "128"]
@@ -72,6 +75,23 @@ def test_long_prompt_handoff_loads_the_stored_prefix(mesh, client):
     assert n > 3 * 128 and resp.choices[0].message.content
     assert len(list(mesh.kv_root.rglob("*.kvb"))) >= n // 128
     assert hit_tokens(mesh, "decode-0") - before == n // 128 * 128
+    keys = [f.stem for f in mesh.kv_root.rglob("*.kvb")]
+    assert asyncio.run(indexed(mesh, keys)) == len(keys)  # prefill announced what its connector stored
+
+
+async def indexed(mesh, keys: list[str], wait_s: float = 10.0) -> int:
+    """How many of ``keys`` the kvindex knows (each looked up alone), once all are or ``wait_s`` passed."""
+    mc = await MeshClient.connect(mesh.nats_url, "vllm-test")
+    try:
+        index = KVIndexClient(mc, "vllm-test", "", lookup_timeout_s=2.0)
+        for _ in range(int(wait_s * 10)):
+            found = sum([await index.lookup([k]) for k in keys])
+            if found == len(keys):
+                break
+            await asyncio.sleep(0.1)
+        return found
+    finally:
+        await mc.close()
 
 
 def test_speculative_decoding_is_refused_at_start_up(model_dir):
