@@ -1,16 +1,19 @@
 """The mesh with ``--engine vllm`` prefill and decode workers: the skeleton's end-to-end checks
 (official openai client, a real SmolLM2 answer, streaming = non-streaming), KV handed off through
-the storage tier by the connector; and the start-up refusal of a mesh feature vLLM lacks."""
+the storage tier by the connector; a fresh prefill worker reusing the prefix another one stored;
+and the start-up refusal of a mesh feature vLLM lacks."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
 import pytest
+from texts import TEXT_A
 
 from deepinfer.kvstore import KVIndexClient
 from deepinfer.launcher import Mesh
@@ -99,3 +102,26 @@ def test_speculative_decoding_is_refused_at_start_up(model_dir):
                         "--nats", "nats://127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "not available on --engine vllm: speculative decoding (ngram, adaptive verification)" in p.stderr
+
+
+def test_a_fresh_prefill_worker_loads_the_prefix_another_one_stored(mesh, client):
+    """Issue #15's cross-worker reuse: prefill-0 computes a prompt cold and its connector stores the
+    blocks; prefill-0 is stopped and prefill-1 (a fresh vLLM engine, nothing cached) gets the same
+    prompt: it reports the stored full blocks as cached and answers as the cold run did.
+    (Last in this module: it replaces the mesh's prefill worker.)"""
+    content = TEXT_A + "\nSummarise this story in one sentence."
+    cold = chat(client, content, max_tokens=16)
+    n = cold.usage.prompt_tokens
+    assert n > 2 * 128 and not cold.usage.prompt_tokens_details.cached_tokens
+    mesh.processes["prefill"][0].stop()
+    mesh.start_worker("prefill")  # prefill-1
+    deadline, warm = time.monotonic() + 300, None
+    while warm is None:
+        try:
+            warm = chat(client, content, max_tokens=16)
+        except openai.APIError:  # prefill-0 gone, prefill-1 still starting: the gateway has no worker yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    assert warm.usage.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128
+    assert warm.choices[0].message.content == cold.choices[0].message.content
