@@ -187,7 +187,7 @@ def test_decode_worker_killed_mid_stream_image_requests_resume_with_the_same_tok
     # (or waiting for a decode slot) when one worker is killed
     m = make_mesh(model=str(llava[0]), replicas={"decode": 2},
                   extra_args={"prefill": FAST_START, "decode": [*FAST_START, "--max-num-seqs", "2"]})
-    max_tokens = 400
+    max_tokens = 200
     model = llava[0].name
 
     async def streams(reqs, on_token=None):
