@@ -40,6 +40,19 @@ def test_the_default_model_and_config_are_accepted(model_dir):
     assert unsupported(EngineConfig(block_size=128, prefill_only=True, speculative=SpecConfig()), model_dir) == []
 
 
+def test_min_tokens_fit_a_prefill_only_engine_and_count_the_streamed_tokens():
+    """A prefill-only engine asks vLLM for 1 token: min_tokens 5 must not make vLLM refuse it (it raised
+    ValueError: the gateway answered 500); after a handoff the streamed tokens count towards min_tokens."""
+    from deepinfer.engine.vllm_engine import vllm_sampling
+    from deepinfer.protocol import SamplingParams
+
+    s = SamplingParams(max_tokens=16, min_tokens=5)
+    assert vllm_sampling(s, 1).min_tokens == 1  # prefill: its one token may not be EOS either
+    assert vllm_sampling(s, 15, streamed=1).min_tokens == 4  # decode after the handoff
+    assert vllm_sampling(SamplingParams(max_tokens=16, min_tokens=16), 15, streamed=1).min_tokens == 15
+    assert vllm_sampling(s, 10, streamed=6).min_tokens == 0
+
+
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
     from transformers import AutoTokenizer

@@ -60,17 +60,21 @@ def unsupported(cfg: EngineConfig, model_dir: str | Path | None = None) -> list[
     return why
 
 
-def vllm_sampling(s: SamplingParams, max_tokens: int | None = None):
+def vllm_sampling(s: SamplingParams, max_tokens: int | None = None, streamed: int = 0):
     """Our ``SamplingParams`` as vLLM's (``RequestOutputKind.DELTA``: each step's new tokens).
-    ``max_tokens`` overrides ``s.max_tokens``. Fields must have passed ``VllmEngine.check_request``."""
+    ``max_tokens`` overrides ``s.max_tokens``; ``streamed``: output tokens already generated (they
+    are in vLLM's prompt now), which count towards ``min_tokens``. ``min_tokens`` is capped at the
+    max_tokens given (vLLM raises ValueError when it is larger: a prefill-only engine's max_tokens
+    is 1). Fields must have passed ``VllmEngine.check_request``."""
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
+    max_tokens = max_tokens if max_tokens is not None else s.max_tokens
     return VSP(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0), min_p=s.min_p,
                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-               ignore_eos=s.ignore_eos, min_tokens=s.min_tokens, logit_bias=dict(s.logit_bias) or None,
-               max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+               ignore_eos=s.ignore_eos, min_tokens=min(max(s.min_tokens - streamed, 0), max_tokens),
+               logit_bias=dict(s.logit_bias) or None, max_tokens=max_tokens,
                output_kind=RequestOutputKind.DELTA, detokenize=False)
 
 
@@ -150,7 +154,8 @@ class VllmEngine:
         prompt = TokensPrompt(prompt_token_ids=[*prompt_token_ids, *output_token_ids])
         if cache_salt:
             prompt["cache_salt"] = cache_salt
-        self.engine.add_request(request_id, prompt, vllm_sampling(sampling, 1 if self.config.prefill_only else left))
+        self.engine.add_request(request_id, prompt, vllm_sampling(sampling, 1 if self.config.prefill_only else left,
+                                                                    len(output_token_ids)))
         self._requests[request_id] = (len(prompt_token_ids), left)
 
     def abort(self, request_id: str) -> bool:
