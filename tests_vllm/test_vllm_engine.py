@@ -12,11 +12,12 @@ import json
 
 import pytest
 from conftest import run_engine, run_json, write_json
-from texts import TEXT_A, TEXT_C
+from texts import TEXT_A, TEXT_B, TEXT_C
 
 from deepinfer.engine.llm_engine import EngineConfig
 from deepinfer.engine.spec_decode import SpecConfig
 from deepinfer.engine.vllm_engine import UnsupportedOnVllm, VllmEngine, unsupported
+from deepinfer.kvstore.hashing import block_hashes, model_fingerprint
 
 NEW_TOKENS = 12
 
@@ -58,25 +59,32 @@ def runs(model_dir, tmp_path_factory):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    a, c = tok(TEXT_A)["input_ids"][:260], tok(TEXT_C)["input_ids"]
+    a, b, c = tok(TEXT_A)["input_ids"][:260], tok(TEXT_B)["input_ids"][:260], tok(TEXT_C)["input_ids"]
     tmp = tmp_path_factory.mktemp("vllm-engine")
     root = tmp / "kv"
     prefill = run_json("vllm_engine_run.py", [
         "--model", str(model_dir), "--kv-root", str(root), "--prefill-only", "--requests", str(write_json(tmp, [
-            {"id": "a", "prompt": a, "output": [], "max_tokens": NEW_TOKENS},
-            {"id": "c", "prompt": c, "output": [], "max_tokens": NEW_TOKENS}]))])
-    first = {rid: prefill["chunks"][rid][0][0] for rid in ("a", "c")}
+            {"id": rid, "prompt": p, "output": [], "max_tokens": NEW_TOKENS} for rid, p in (("a", a), ("b", b),
+                                                                                           ("c", c))]))])
+    first = {rid: prefill["chunks"][rid][0][0] for rid in ("a", "b", "c")}
+    # b's first block corrupted: decode is granted b's 2 blocks, their load fails, vLLM recomputes b
+    fingerprint = model_fingerprint(model_dir, "float32", 128, "vllm-cpu")
+    (f,) = [f for f in root.rglob("*.kvb") if f.stem == block_hashes(b, 128, fingerprint)[0]]
+    corrupt = bytearray(f.read_bytes())
+    corrupt[-8] ^= 0xFF
+    f.write_bytes(bytes(corrupt))
     decode = run_json("vllm_engine_run.py", [
         "--model", str(model_dir), "--kv-root", str(root), "--requests", str(write_json(tmp, [
             {"id": "a", "prompt": a, "output": first["a"], "max_tokens": NEW_TOKENS},
+            {"id": "b", "prompt": b, "output": first["b"], "max_tokens": NEW_TOKENS},
             {"id": "c", "prompt": c, "output": first["c"], "max_tokens": NEW_TOKENS},
             {"id": "x", "prompt": a[:50], "output": [], "max_tokens": NEW_TOKENS, "abort_after_steps": 3}]))])
-    reference = run_engine(model_dir, [a, c], NEW_TOKENS, None, tmp)
-    return dict(prefill=prefill, decode=decode, reference=reference, first=first)
+    reference = run_engine(model_dir, [a, c, b], NEW_TOKENS, None, tmp)
+    return dict(prefill=prefill, decode=decode, reference=reference, first=first, c=c)
 
 
 def test_prefill_only_engine_samples_one_token_and_hands_off(runs):
-    for rid in ("a", "c"):
+    for rid in ("a", "b", "c"):
         assert runs["prefill"]["chunks"][rid] == [[runs["first"][rid], "handoff", 0]]
     assert not runs["prefill"]["unfinished"]
 
@@ -97,3 +105,14 @@ def test_abort_stops_a_request_mid_stream(runs):
     assert decode["aborted"] == ["x"]
     assert 1 <= len(decode["chunks"]["x"]) <= 3 and all(ch[1] is None for ch in decode["chunks"]["x"])
     assert not decode["unfinished"]
+
+
+def test_decode_engine_loaded_the_handed_off_blocks_and_reports_only_those(runs):
+    """The equality above also holds when every load fails and vLLM recomputes (num_cached_tokens counts
+    granted blocks): the worker-side counters prove the loads. ``prefix_hit_tokens`` (load reports) counts
+    loaded blocks, not granted ones (b's 2 blocks were granted, failed and recomputed)."""
+    decode, c = runs["decode"], runs["c"]
+    assert decode["connector"] == {"blocks_loaded": 2 + len(c) // 128, "load_errors": 2}
+    assert decode["prefix_hit_tokens"] == decode["connector"]["blocks_loaded"] * 128
+    streamed = runs["first"]["b"] + [t for ch in decode["chunks"]["b"] for t in ch[0]]
+    assert streamed == runs["reference"]["outputs"][2]["token_ids"]  # b: recomputed, still right

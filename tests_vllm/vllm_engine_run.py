@@ -4,7 +4,8 @@
 
 ``--requests``: a JSON list of ``{"id", "prompt", "output" (tokens already streamed), "max_tokens",
 "abort_after_steps" (optional)}``; greedy. Prints one JSON line: ``{"chunks": {id: [[tokens, finish_reason,
-num_cached_tokens], ...]}, "aborted": [ids], "unfinished": bool, "start_s": s}``.
+num_cached_tokens], ...]}, "aborted": [ids], "unfinished": bool, "connector": {"blocks_loaded", "load_errors"}
+(worker side; {} without --kv-root), "prefix_hit_tokens" (``load_fields``), "start_s": s}``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ def main() -> None:
         for r in reqs:
             if r.get("abort_after_steps") == steps and engine.abort(r["id"]):
                 aborted.append(r["id"])
+    counters = {}
+    if args.kv_root:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()
+        counters = {"blocks_loaded": worker.blocks_loaded, "load_errors": worker.load_errors}
     print(json.dumps({"chunks": chunks, "aborted": aborted, "unfinished": engine.has_unfinished(),
+                      "connector": counters, "prefix_hit_tokens": engine.load_fields()["prefix_hit_tokens"],
                       "start_s": round(start_s, 1)}), flush=True)
 
 

@@ -178,17 +178,24 @@ class VllmEngine:
     def load_fields(self) -> dict:
         """``LoadReport`` fields of this engine now (counters read from another thread: approximate).
         ``prefix_hit_tokens`` / ``prefix_queried_tokens``: prompt tokens loaded from the storage tier by
-        the connector / prompt tokens scheduled (vLLM's own prefix-cache hits are not counted); the
-        native engine's cost model, queued-prefill prediction and prefix-path counts are absent (0)."""
+        the connector (its worker side's ``blocks_loaded``: a granted block whose load failed, then
+        recomputed, is not counted) / prompt tokens scheduled (vLLM's own prefix-cache hits are not
+        counted); the native engine's cost model, queued-prefill prediction and prefix-path counts are
+        absent (0)."""
         sched = self.engine.engine_core.engine_core.scheduler
         capacity = sched.kv_cache_manager.block_pool.num_gpu_blocks * self.config.block_size
         conn = sched.connector
+        loaded = 0
+        if conn is not None:  # the worker side runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            loaded = get_kv_transfer_group().blocks_loaded * self.config.block_size
         return dict(active_requests=len(sched.running), waiting_requests=len(sched.waiting),
                     kv_tokens_used=int(sched.kv_cache_manager.usage * capacity), kv_tokens_capacity=capacity,
                     steps=self.num_steps, block_size=self.config.block_size, engine=self.engine_kind,
                     fingerprint=self.fingerprint, kv_block_bytes=self.block_bytes,
                     finished_requests=self.num_finished_requests,
-                    prefix_hit_tokens=getattr(conn, "tokens_matched", 0),
+                    prefix_hit_tokens=loaded,
                     prefix_queried_tokens=getattr(conn, "tokens_queried", 0))
 
     def step(self) -> list[StepOutput]:
