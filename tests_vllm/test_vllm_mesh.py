@@ -125,3 +125,6 @@ def test_a_fresh_prefill_worker_loads_the_prefix_another_one_stored(mesh, client
             time.sleep(2)
     assert warm.usage.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128
     assert warm.choices[0].message.content == cold.choices[0].message.content
+    # cached_tokens counts the blocks granted, also when their load failed and vLLM recomputed them:
+    # prefill-1's connector really loaded them (its load reports count loaded blocks only)
+    assert hit_tokens(mesh, "prefill-1") == (n - 1) // 128 * 128
