@@ -252,6 +252,17 @@ def serve_many(mesh, n: int = 16, max_tokens: int = 20) -> list:
     return outs
 
 
+def test_a_request_the_prefill_engine_refuses_is_a_400_naming_why(mock_mesh):
+    """A feature the worker's engine lacks (here the mock engine and a grammar) is the client's
+    error, answered at once: not a 503 after every prefill worker was tried."""
+    import openai
+
+    client = openai.OpenAI(base_url=mock_mesh.gateway_url + "/v1", api_key="t", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="cannot enforce a grammar"):
+        _chat(client, "Give me JSON.", response_format={"type": "json_object"})
+    assert _chat(client, "Still serving?").choices[0].finish_reason == "length"
+
+
 def test_a_mock_mesh_serves_the_openai_client_deterministically(mock_mesh):
     import openai
 

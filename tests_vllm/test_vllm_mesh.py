@@ -61,6 +61,14 @@ def test_streamed_deltas_concatenate_to_the_non_streamed_text(client):
     assert len(full) > 20
 
 
+def test_a_feature_vllm_workers_lack_is_a_400_naming_it(client):
+    """Refused per request by the prefill worker's engine: the client's error, not a 503."""
+    with pytest.raises(openai.BadRequestError, match="not available on --engine vllm"):
+        chat(client, "Hello", logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="not available on --engine vllm"):
+        chat(client, "Hello", response_format={"type": "json_object"})
+
+
 def hit_tokens(mesh, worker: str) -> float:
     """The worker's ``deepinfer_engine_prefix_hit_tokens_total`` (vLLM: tokens its connector loaded)."""
     text = httpx.get(mesh.metrics_urls[worker], timeout=10).text

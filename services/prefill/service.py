@@ -61,8 +61,8 @@ from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephe
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
-from deepinfer.protocol import (AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, TokenChunk,
-                                subjects)
+from deepinfer.protocol import (AbortRequest, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError, SubmitReply,
+                                TokenChunk, subjects)
 from deepinfer.telemetry import get_logger, record_span, tracer
 
 log = get_logger(__name__)
@@ -110,8 +110,8 @@ class PrefillService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
         try:
             self.engine.check_request(req.prompt_token_ids, sampling=req.sampling)
-        except RequestError as e:
-            return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
+        except RequestError as e:  # the request itself (e.g. a feature this engine lacks): the client's 400
+            return ErrorReply(error=str(e), kind="bad_request")
         # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
         # ``admit`` resumes (the engine steps at once), and would be dropped as aborted.
         self.requests[req.request_id] = req
