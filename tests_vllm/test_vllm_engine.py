@@ -28,6 +28,7 @@ NEW_TOKENS = 12
     (EngineConfig(block_size=16), {}, "multiple of 32"),
     (EngineConfig(block_size=128), {"sliding_window": 512, "layer_types": ["sliding_attention"]}, "bounded SWA replay"),
     (EngineConfig(block_size=128), {"num_experts": 8}, "expert load balancing"),
+    (EngineConfig(block_size=128), {"vision_config": {}, "text_config": {}}, "images"),
 ])
 def test_mesh_features_vllm_lacks_are_refused_before_loading(tmp_path, cfg, hf, needle):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **hf}))

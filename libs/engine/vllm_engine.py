@@ -40,7 +40,8 @@ class UnsupportedOnVllm(ValueError):
 
 
 def unsupported(cfg: EngineConfig, model_dir: str | Path | None = None) -> list[str]:
-    """Reasons ``cfg`` (and, given ``model_dir``, its config.json) cannot run on vLLM here; [] when it can."""
+    """Reasons ``cfg`` (and, given ``model_dir``, its config.json) cannot run on vLLM here; [] when it can.
+    Raises OSError (no config.json) or ValueError (not JSON)."""
     why = []
     if cfg.speculative is not None and not cfg.prefill_only:
         why.append(f"speculative decoding ({cfg.speculative.method}, {cfg.speculative.verify} verification) "
@@ -51,6 +52,9 @@ def unsupported(cfg: EngineConfig, model_dir: str | Path | None = None) -> list[
         why.append(f"block size {cfg.block_size}: vLLM's CPU attention needs a multiple of 32 (e.g. --block-size 128)")
     if model_dir is not None:
         hf = json.loads((Path(model_dir) / "config.json").read_text())
+        if "vision_config" in hf:
+            why.append("images: the vision service's embeddings and the image hashes in the block keys are the "
+                       "native engine's")
         hf = hf.get("text_config", hf)
         if hf.get("sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
             why.append("sliding-window layers: bounded SWA replay and the SWA state cache are the native engine's "
