@@ -10,17 +10,18 @@ For each concurrency C (default 1, 8, 32) a closed loop keeps C requests in the
 engine until max(8, ``--requests-per-slot`` x C) requests are done. Reported per
 mode: output tokens per CPU-second and per wall second (all requests; the ratios
 use CPU seconds), per-request speed (output tokens / the request's own decode
-wall time, mean), mean acceptance length (tokens a request emits per step it
+time on its engine's clock, mean), mean acceptance length (tokens a request emits per step it
 verifies drafts in), verify budget (draft tokens verified per step, mean), and
 the ratios to fixed k=5 and to no speculation. Modes: none, fixed k = 1, 3, 5, 8,
 adaptive (γ = 8: up to 8 drafts per request where they pay).
 
 NOTE (noise): on this shared 2-core VM the same run's wall time varied by up to
-35% between runs minutes apart; one torch thread's CPU time varies much less.
-So the engine runs one torch thread (``--threads``), the modes run interleaved
-in ``--rounds`` rounds, and each mode's best round is reported. Each round builds
-a fresh engine (warmed, its step cost model calibrated at start-up, as a
-decode worker's is).
+35% between runs minutes apart. So the engine runs one torch thread
+(``--threads``), and all modes' engines run in one process, stepped in turn (one
+step each, the order rotating): each mode sees the same machine over the run,
+and its clocks count its own steps only. With ``--rounds`` > 1 each mode's best
+round is reported. Each engine is warmed and its step cost model calibrated at
+start-up, as a decode worker's is.
 
 Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 35 minutes on
 2 CPU cores; ``--concurrency 1 --rounds 1`` for a quick look).
@@ -67,43 +68,74 @@ def prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run(model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | None, max_tokens: int,
-        threads: int) -> dict:
-    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, concurrency),
-                                               num_threads=threads, calibrate=True, speculative=spec,
-                                               enable_prefix_caching=False))
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    queue = list(enumerate(ps))
-    out: dict[str, list[int]] = {}
-    first_at: dict[str, float] = {}
-    done_at: dict[str, float] = {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    while queue or engine.has_unfinished():
-        while queue and engine.num_running + engine.num_waiting < concurrency:
-            i, p = queue.pop(0)
-            engine.add_request(str(i), p, sp)
-            out[str(i)] = []
-        for o in engine.step():
-            now = time.perf_counter()
-            out[o.request_id] += o.new_token_ids
-            first_at.setdefault(o.request_id, now)
+class Run:
+    """One mode's engine and its closed loop: ``tick`` admits requests up to the concurrency
+    and runs one engine step. Clocks count this engine's own steps only (wall seconds and
+    this thread's CPU seconds), so engines stepped in turn do not count each other's time."""
+
+    def __init__(self, model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | None,
+                 max_tokens: int, threads: int):
+        self.engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, concurrency),
+                                                        num_threads=threads, calibrate=True, speculative=spec,
+                                                        enable_prefix_caching=False))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.concurrency = concurrency
+        self.queue = list(enumerate(ps))
+        self.out: dict[str, list[int]] = {}
+        self.first_at: dict[str, float] = {}
+        self.done_at: dict[str, float] = {}
+        self.wall = self.cpu = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or self.engine.has_unfinished()
+
+    def tick(self) -> None:
+        engine = self.engine
+        while self.queue and engine.num_running + engine.num_waiting < self.concurrency:
+            i, p = self.queue.pop(0)
+            engine.add_request(str(i), p, self.sp)
+            self.out[str(i)] = []
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        self.wall += time.perf_counter() - t0
+        self.cpu += time.thread_time() - c0
+        for o in outputs:
+            self.out[o.request_id] += o.new_token_ids
+            self.first_at.setdefault(o.request_id, self.wall)
             if o.finish_reason:
-                done_at[o.request_id] = now
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    tokens = sum(len(v) for v in out.values())
-    speeds = [(len(out[r]) - 1) / (done_at[r] - first_at[r])
-              for r in out if len(out[r]) > 1 and done_at[r] > first_at[r]]
-    s = engine.spec
-    res = {
-        "outputs": out, "tokens": tokens, "wall": wall, "tok_s": tokens / wall, "tok_cpu_s": tokens / cpu,
-        "req_speed": statistics.mean(speeds) if speeds else 0.0,
-        "accept_len": (s.num_accepted_tokens + s.num_spec_seqs) / s.num_spec_seqs if s and s.num_spec_seqs else 1.0,
-        "verify_budget": s.num_draft_tokens / s.num_verify_steps if s and s.num_verify_steps else 0.0,
-    }
-    engine.spec = None  # the decoder refers back to the engine: break the cycle, free the KV cache now
-    del engine, s
-    gc.collect()
-    return res
+                self.done_at[o.request_id] = self.wall
+
+    def result(self) -> dict:
+        out = self.out
+        tokens = sum(len(v) for v in out.values())
+        speeds = [(len(out[r]) - 1) / (self.done_at[r] - self.first_at[r])
+                  for r in out if len(out[r]) > 1 and self.done_at[r] > self.first_at[r]]
+        s = self.engine.spec
+        res = {
+            "outputs": out, "tokens": tokens, "wall": self.wall, "tok_s": tokens / self.wall,
+            "tok_cpu_s": tokens / self.cpu, "req_speed": statistics.mean(speeds) if speeds else 0.0,
+            "accept_len": (s.num_accepted_tokens + s.num_spec_seqs) / s.num_spec_seqs if s and s.num_spec_seqs else 1.0,
+            "verify_budget": s.num_draft_tokens / s.num_verify_steps if s and s.num_verify_steps else 0.0,
+        }
+        self.engine.spec = None  # the decoder refers back to the engine: break the cycle, free the KV cache
+        self.engine = None
+        gc.collect()
+        return res
+
+
+def run_lockstep(model_dir, ps: list[list[int]], concurrency: int, modes: list[tuple[str, SpecConfig | None]],
+                 max_tokens: int, threads: int) -> dict[str, dict]:
+    """Every mode's engine in one process, stepped in turn (one step each, the order rotating),
+    until all are done: each mode sees the same machine (other load, CPU clock) over the run."""
+    runs = {name: Run(model_dir, ps, concurrency, spec, max_tokens, threads) for name, spec in modes}
+    order = list(runs.values())
+    while any(r.busy for r in order):
+        for r in order:
+            if r.busy:
+                r.tick()
+        order.append(order.pop(0))
+    return {name: r.result() for name, r in runs.items()}
 
 
 def main() -> None:
@@ -113,6 +145,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved runs of every mode; the best counts")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", default=None,
+                    help='modes to run (default all): none, "fixed k=1", ..., adaptive; none and fixed k=5 always run')
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -122,14 +156,15 @@ def main() -> None:
              ("fixed k=3", SpecConfig("ngram", 3, "fixed")), ("fixed k=5", SpecConfig("ngram", 5, "fixed")),
              ("fixed k=8", SpecConfig("ngram", 8, "fixed")),
              ("adaptive", SpecConfig("ngram", 8, "adaptive"))]
+    if args.modes:
+        modes = [(n, spec) for n, spec in modes if n in args.modes or n in ("none", "fixed k=5")]
     print(f"SmolLM2-135M-Instruct, fp32, {args.threads} torch thread(s), greedy, max_tokens {args.max_tokens}, "
           f"ngram drafts; load average {os.getloadavg()[0]:.2f}")
     for c in args.concurrency:
         ps = prompts(tok, max(8, c * args.requests_per_slot), seed=c)
         res: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, spec in modes:
-                r = run(model_dir, ps, c, spec, args.max_tokens, args.threads)
+            for name, r in run_lockstep(model_dir, ps, c, modes, args.max_tokens, args.threads).items():
                 if name not in res or r["tok_cpu_s"] > res[name]["tok_cpu_s"]:
                     res[name] = r
         base, k5 = res["none"], res["fixed k=5"]
@@ -141,6 +176,8 @@ def main() -> None:
             print(f"{name:<11} {r['tok_cpu_s']:9.1f} {r['tok_s']:7.1f} {r['req_speed']:10.1f} "
                   f"{r['tok_cpu_s'] / base['tok_cpu_s']:8.3f} {r['tok_cpu_s'] / k5['tok_cpu_s']:7.3f} "
                   f"{r['accept_len']:11.2f} {r['verify_budget']:12.1f} {str(r['outputs'] == base['outputs']):>12}")
+        if "adaptive" not in res:
+            continue
         best_fixed = max((n for n in res if n.startswith("fixed")), key=lambda n: res[n]["tok_cpu_s"])
         print(f"adaptive vs fixed k=5: {res['adaptive']['tok_cpu_s'] / k5['tok_cpu_s'] - 1:+.1%}; vs best fixed "
               f"({best_fixed}): {res['adaptive']['tok_cpu_s'] / res[best_fixed]['tok_cpu_s'] - 1:+.1%} "

@@ -9,7 +9,8 @@ import torch
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.spec_decode import AcceptanceCalibrator, Draft, NgramIndex, SpecConfig, SpecDecoder
+from deepinfer.engine.spec_decode import (MIN_DECODE_STEPS, AcceptanceCalibrator, Draft, NgramIndex, SpecConfig,
+                                          SpecDecoder)
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams
 
@@ -93,6 +94,38 @@ def test_adaptive_verifies_only_likely_drafts_at_heavy_load():
         return tau / (0.01 + sum(1e-3 * (1 + k) for k in ls))
     assert theta(lengths) >= max(theta([k] * 32) for k in range(6))
     assert theta(lengths) >= max(theta([k] * 4 + [0] * 28) for k in range(6))
+
+
+def test_adaptive_leaves_prefill_chunks_out_of_the_rate():
+    """A prefill chunk in the step is owed whatever is verified: counted in the step's time it
+    would lower the rate drafts must beat and let the unlikely ones in (here: every 0.2 draft)."""
+    dec = _decoder(StepCostModel(a=0.01, b=1e-3, d=0.0, e=0.0))
+    seqs = _decode_seqs(32)
+    confs = [[0.95, 0.9, 0.9, 0.9, 0.9] if i < 4 else [0.2] * 5 for i in range(32)]
+    alone = dec._choose(seqs, seqs, _drafts(confs), 4096)
+    chunk = Sequence("p", [1] * 2000, 2000, SamplingParams())
+    chunk.num_computed_tokens, chunk.num_scheduled_tokens = 0, 1024
+    assert dec._choose(seqs + [chunk], seqs, _drafts(confs), 4096) == alone == [2] * 4 + [0] * 28
+
+
+def test_adaptive_prices_by_the_decode_step_model_once_it_has_seen_decode_steps():
+    """Verified tokens go through the LM head, prefill tokens do not: decode steps (one token
+    plus drafts per sequence) refit a model of their own, which adaptive verification uses
+    after MIN_DECODE_STEPS of them; prefill steps never reach it."""
+    engine_cost = StepCostModel(a=0.01, b=1e-3, d=0.0, e=0.0)
+    dec = _decoder(engine_cost)
+    truth = StepCostModel(a=0.02, b=4e-3, d=0.0, e=1e-5)  # what decode steps really cost
+    chunk = Sequence("p", [1] * 600, 600, SamplingParams())
+    for k in range(40):
+        seqs = _decode_seqs(4 + k % 5, context=100 + 10 * k)
+        for i, s in enumerate(seqs):
+            s.draft_token_ids = [7] * ((i + k) % 4)
+        pieces = [(1 + len(s.draft_token_ids), s.num_computed_tokens) for s in seqs]
+        dec.observe_step(seqs, pieces, truth.predict(pieces))
+        dec.observe_step([chunk], [(512, 0)], 0.5)  # a prefill step: another cost per token
+        assert (dec.cost() is engine_cost) == (k + 1 < MIN_DECODE_STEPS)
+    assert len(dec.decode_cost.samples) == 40
+    assert dec.decode_cost.b == pytest.approx(4e-3, rel=1e-3) and dec.decode_cost.a == pytest.approx(0.02, rel=1e-3)
 
 
 def test_fixed_verifies_every_draft_within_the_token_budget():

@@ -582,6 +582,8 @@ class LLMEngine:
         self.last_step_s = step.ended - t0
         self.busy_s_total += self.last_step_s
         self.cost_model.observe(step.pieces, self.last_step_s)
+        if self.spec is not None:
+            self.spec.observe_step(step.seqs, step.pieces, self.last_step_s)
         if self.spec is not None and any(s.draft_token_ids for s in step.seqs):
             result = self.spec.verify(logits, step.seqs, step.sampling, self.generators,
                                       self.model_config.eos_token_ids)

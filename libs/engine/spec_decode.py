@@ -33,12 +33,15 @@ one token to the step and a_{r,j} expected tokens, and the prefix of that order
 with the highest expected throughput τ · SPS is verified (Algorithm 1 stops
 at the first token that does not raise it; see ``_choose`` for why all are
 scanned). SPS, the steps per second of the step being planned, is 1 / T with T
-the engine's step cost model (``engine.cost_model``: a + b·Σn + d·Σn(c + n/2) +
-e·Σ(c + n) over the step's pieces, calibrated at start-up and refitted online
-from every step) plus the step's measured overhead besides the forward pass. So
-a draft costs b + d·(its position) + e, and the price of the step without any
+a step cost model (``cost_model.StepCostModel``: a + b·Σn + d·Σn(c + n/2) +
+e·Σ(c + n) over the step's pieces) plus the step's measured overhead besides the
+forward pass. The model is fitted online on decode steps only (every piece one
+token plus its drafts; the engine's calibrated model until 16 were seen), since
+a verified token goes through the LM head and a prefill token does not. So a
+draft costs b + d·(its position) + e, and the price of the step without any
 draft, the baseline every draft must beat, includes the KV gather of the
-batch's contexts. Light load: the fixed per-step cost dominates, so long drafts
+batch's contexts. Prefill chunks sharing the step are left out of T and τ:
+their compute is owed whatever is verified. Light load: the fixed per-step cost dominates, so long drafts
 pay; heavy load: each verified token's share grows, so only likely ones do.
 (DSpark's SPS(B) is a curve over B alone; on the CPU a step's time depends on
 the contexts as much as on B, and a curve profiled at one context priced the
@@ -73,12 +76,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.sampler import (MIN_TEMPERATURE, SampleResult, _draw, _has_penalty, _logprobs,
                                       apply_logits_processors, sample, sampling_weights)
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import allocate_bitmask
 
 METHODS = ("ngram", "draft")
+MIN_DECODE_STEPS = 16  # decode steps observed before adaptive verification prices by their own model
 VERIFY_MODES = ("adaptive", "fixed")
 
 
@@ -217,6 +222,10 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.num_spec_seqs = 0
         self.overhead_s = 0.0  # a step's seconds besides the forward pass (``observe_overhead``)
+        # seconds of a decode step (no prefill chunk) as a function of its pieces: fitted on
+        # those steps only, since a verified token goes through the LM head (a prefill token
+        # does not), and on this model's 49k vocabulary that is about a quarter of its cost
+        self.decode_cost = StepCostModel()
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
     # --- which requests -------------------------------------------------------------
@@ -312,11 +321,14 @@ class SpecDecoder:
                 lengths.append(min(len(d.tokens), left))
                 left -= lengths[-1]
             return lengths
-        # the step's predicted seconds (the engine's step cost model over its pieces, plus the
-        # step's overhead besides the forward pass) and expected tokens without any draft
-        cost = self.engine.cost_model
-        step_s = self.overhead_s + cost.predict([(s.num_scheduled_tokens, s.num_computed_tokens) for s in seqs])
-        tau = float(sum(1 for s in seqs if s.num_computed_tokens + s.num_scheduled_tokens >= len(s.token_ids)))
+        # the rate every draft must beat: the step's decode part, priced by the decode-step cost
+        # model, plus its overhead besides the forward pass, and its tokens without any draft.
+        # Prefill chunks sharing the step are left out: their compute is owed whatever is verified,
+        # and counted in, they would dilute the rate and let unlikely drafts in.
+        cost = self.cost()
+        decode = [s for s in seqs if s.num_scheduled_tokens == 1]
+        step_s = self.overhead_s + cost.predict([(1, s.num_computed_tokens) for s in decode])
+        tau = float(len(decode))
         best = tau / step_s if step_s > 0 else 0.0
         order = []
         for r, d in enumerate(drafts):
@@ -340,7 +352,18 @@ class SpecDecoder:
             lengths[r] = max(lengths[r], j + 1)
         return lengths
 
-    # --- step overhead --------------------------------------------------------------
+    # --- step time -------------------------------------------------------------------
+    def cost(self) -> StepCostModel:
+        """The cost model adaptive verification prices steps by: the decode-step model once it
+        has ``MIN_DECODE_STEPS`` decode steps, the engine's (calibrated at start-up) before."""
+        return self.decode_cost if len(self.decode_cost.samples) >= MIN_DECODE_STEPS else self.engine.cost_model
+
+    def observe_step(self, seqs: list[Sequence], pieces: list[tuple[int, int]], seconds: float) -> None:
+        """A step's forward seconds: a decode step (every piece one token plus its drafts, no
+        prefill chunk) refits the decode-step cost model."""
+        if all(n == 1 + len(s.draft_token_ids) for s, (n, _) in zip(seqs, pieces)):
+            self.decode_cost.observe(pieces, seconds)
+
     def observe_overhead(self, seconds: float) -> None:
         """A whole step's seconds beyond its forward pass (scheduling, drafting, verification,
         bookkeeping): an exponential moving average added to every step's predicted time."""

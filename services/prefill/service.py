@@ -99,9 +99,11 @@ class PrefillService(EngineWorker):
         await self.mesh.subscribe(subjects.PREFILL_ABORT_ANY, self.on_abort, span_name="prefill.abort")
 
     # --- handlers -------------------------------------------------------------
-    async def on_submit(self, req: PrefillRequest) -> SubmitReply:
+    async def on_submit(self, req: PrefillRequest) -> SubmitReply | ErrorReply:
         """Answer at once (the gateway times submits out): checks, then the prefix load and
-        the engine queueing go on in ``admit``."""
+        the engine queueing go on in ``admit``. A request this engine refuses (``RequestError``)
+        is an ``ErrorReply`` of kind "bad_request" (the client's 400); a refused submit that
+        another worker may take (draining, aborted, a duplicate) is ``accepted=False``."""
         if self.draining:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if self.was_aborted(req):
