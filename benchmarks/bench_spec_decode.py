@@ -23,8 +23,9 @@ and its clocks count its own steps only. With ``--rounds`` > 1 each mode's best
 round is reported. Each engine is warmed and its step cost model calibrated at
 start-up, as a decode worker's is.
 
-Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 35 minutes on
-2 CPU cores; ``--concurrency 1 --rounds 1`` for a quick look).
+Run: ``.venv/bin/python benchmarks/bench_spec_decode.py`` (about 40 minutes on
+2 CPU cores, and ~12 GB of memory for the six engines; ``--concurrency 1 --rounds 1``
+for a quick look, ``--modes adaptive`` for fewer engines).
 """
 
 from __future__ import annotations
