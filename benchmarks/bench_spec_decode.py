@@ -71,8 +71,9 @@ def prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
 
 class Run:
     """One mode's engine and its closed loop: ``tick`` admits requests up to the concurrency
-    and runs one engine step. Clocks count this engine's own steps only (wall seconds and
-    this thread's CPU seconds), so engines stepped in turn do not count each other's time."""
+    and runs one engine step. Clocks count this engine's own steps only (wall seconds and the
+    process's CPU seconds, all torch threads: no other engine runs meanwhile), so engines
+    stepped in turn do not count each other's time."""
 
     def __init__(self, model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | None,
                  max_tokens: int, threads: int):
@@ -97,10 +98,10 @@ class Run:
             i, p = self.queue.pop(0)
             engine.add_request(str(i), p, self.sp)
             self.out[str(i)] = []
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         outputs = engine.step()
         self.wall += time.perf_counter() - t0
-        self.cpu += time.thread_time() - c0
+        self.cpu += time.process_time() - c0
         for o in outputs:
             self.out[o.request_id] += o.new_token_ids
             self.first_at.setdefault(o.request_id, self.wall)

@@ -25,6 +25,20 @@ def test_fit_never_returns_negative_coefficients():
     assert min(model.a, model.b, model.d, model.e) >= 0
 
 
+def test_fit_changes_only_the_fitted_coefficients_and_a():
+    """``fitted=(1,)``: d and e are held where they are set and a, b fitted to the rest of each
+    step's time (speculative decoding's decode-step model takes d and e from the engine's)."""
+    true = StepCostModel(a=0.1, b=2.5e-3, d=8e-7, e=3e-5)
+    model = StepCostModel(d=1e-6, e=2e-5, refit_every=10_000, fitted=(1,))
+    rng = random.Random(0)
+    for _ in range(100):
+        pieces = [(rng.choice([1, 2, 3, 6]), rng.randrange(0, 2048)) for _ in range(rng.randint(1, 32))]
+        model.samples.append((features(pieces), true.predict(pieces)))
+    model.fit()
+    assert (model.d, model.e) == (1e-6, 2e-5)
+    assert model.a > 0 and model.b > 0
+
+
 def test_max_chunk_is_the_largest_chunk_that_fits():
     m = StepCostModel(a=0.1, b=2e-3, d=1e-6, e=2e-5)
     for c in (0, 500, 4000):

@@ -106,13 +106,21 @@ def test_adaptive_leaves_prefill_chunks_out_of_the_rate():
     chunk = Sequence("p", [1] * 2000, 2000, SamplingParams())
     chunk.num_computed_tokens, chunk.num_scheduled_tokens = 0, 1024
     assert dec._choose(seqs + [chunk], seqs, _drafts(confs), 4096) == alone == [2] * 4 + [0] * 28
+    ones = []  # 1-token chunks short of their prompts' ends: prefill too (they sample no token)
+    for i in range(32):
+        s = Sequence(f"q{i}", [1] * 300, 300, SamplingParams())
+        s.num_computed_tokens, s.num_scheduled_tokens = 100, 1
+        ones.append(s)
+    assert dec._choose(seqs + ones, seqs, _drafts(confs), 4096) == alone
 
 
 def test_adaptive_prices_by_the_decode_step_model_once_it_has_seen_decode_steps():
-    """Verified tokens go through the LM head, prefill tokens do not: decode steps (one token
-    plus drafts per sequence) refit a model of their own, which adaptive verification uses
-    after MIN_DECODE_STEPS of them; prefill steps never reach it."""
-    engine_cost = StepCostModel(a=0.01, b=1e-3, d=0.0, e=0.0)
+    """Verified tokens go through the LM head, prefill tokens do not: decode steps (each sequence
+    its last token plus drafts) refit the a and b of a model of their own, which adaptive
+    verification prices by after MIN_DECODE_STEPS of them; d and e stay the engine model's.
+    Steps with any prefill chunk (a long one, or a 1-token chunk short of the prompt's end)
+    never reach it."""
+    engine_cost = StepCostModel(a=0.01, b=1e-3, d=0.0, e=1e-5)
     dec = _decoder(engine_cost)
     truth = StepCostModel(a=0.02, b=4e-3, d=0.0, e=1e-5)  # what decode steps really cost
     chunk = Sequence("p", [1] * 600, 600, SamplingParams())
@@ -123,9 +131,33 @@ def test_adaptive_prices_by_the_decode_step_model_once_it_has_seen_decode_steps(
         pieces = [(1 + len(s.draft_token_ids), s.num_computed_tokens) for s in seqs]
         dec.observe_step(seqs, pieces, truth.predict(pieces))
         dec.observe_step([chunk], [(512, 0)], 0.5)  # a prefill step: another cost per token
+        dec.observe_step(seqs + [chunk], pieces + [(64, 0)], 0.9)  # decodes beside a prefill chunk
+        dec.observe_step([chunk], [(1, 10)], 0.05)  # a 1-token chunk mid-prompt
         assert (dec.cost() is engine_cost) == (k + 1 < MIN_DECODE_STEPS)
-    assert len(dec.decode_cost.samples) == 40
-    assert dec.decode_cost.b == pytest.approx(4e-3, rel=1e-3) and dec.decode_cost.a == pytest.approx(0.02, rel=1e-3)
+    model = dec.decode_cost
+    assert len(model.samples) == 40 and (model.d, model.e) == (engine_cost.d, engine_cost.e)
+    assert model.b == pytest.approx(4e-3, rel=1e-3) and model.a == pytest.approx(0.02, rel=1e-3)
+    # and _choose prices by it: the same drafts as a decoder whose engine model is the truth,
+    # not those the engine's cheaper per-token cost lets in
+    seqs = _decode_seqs(32)
+    confs = [[0.95, 0.9, 0.9, 0.9, 0.9] if i < 4 else [0.6] * 5 for i in range(32)]
+    priced = dec._choose(seqs, seqs, _drafts(confs), 4096)
+    assert priced == _decoder(truth)._choose(seqs, seqs, _drafts(confs), 4096)
+    assert priced != _decoder(engine_cost)._choose(seqs, seqs, _drafts(confs), 4096)
+
+
+def test_the_decode_step_model_keeps_the_engines_per_token_cost_until_its_steps_can_tell():
+    """Decode steps all of 32 sequences without drafts feed the same number of tokens, so they
+    cannot tell the per-token cost b from the fixed cost a: b stays the engine model's (not the
+    class default, which would price drafts at a quarter of their cost)."""
+    engine_cost = StepCostModel(a=0.05, b=4e-3, d=1e-7, e=1e-5)
+    dec = _decoder(engine_cost)
+    for k in range(MIN_DECODE_STEPS + 8):
+        seqs = _decode_seqs(32, context=300 + k)
+        pieces = [(1, s.num_computed_tokens) for s in seqs]
+        dec.observe_step(seqs, pieces, 0.6)
+    model = dec.cost()
+    assert model is dec.decode_cost and model.b == engine_cost.b and model.a > 0
 
 
 def test_fixed_verifies_every_draft_within_the_token_budget():
@@ -315,6 +347,9 @@ def test_speculation_frees_kv_and_respects_max_tokens_and_stop(smol):
                 assert o.finish_reason in ("length", "stop")
     assert all(len(v) <= 7 for v in out.values()) and any(len(v) == 7 for v in out.values())
     assert engine.block_manager.num_free_blocks == free
+    # the engine times its decode steps for adaptive verification's own cost model (the prompt's
+    # prefill steps are not decode steps)
+    assert 0 < len(engine.spec.decode_cost.samples) < engine.num_steps
     # a stop token inside accepted drafts ends the request there
     base = out["len0"]
     engine.add_request("stop", prompts[0], SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=[base[3]]))

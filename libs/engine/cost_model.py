@@ -45,8 +45,10 @@ def features(pieces: list[Piece]) -> list[float]:
 
 class StepCostModel:
     def __init__(self, a: float = 0.01, b: float = 1e-3, d: float = 1e-7, e: float = 0.0,
-                 window: int = 256, refit_every: int = 16, refit_error: float = 0.25):
+                 window: int = 256, refit_every: int = 16, refit_error: float = 0.25,
+                 fitted: tuple[int, ...] = (1, 2, 3)):
         self.a, self.b, self.d, self.e = a, b, d, e
+        self.fitted = fitted  # which of b, d, e (1, 2, 3) ``fit`` may change; a always is
         self.samples: deque[tuple[list[float], float]] = deque(maxlen=window)
         self.refit_every = refit_every
         self.refit_error = refit_error
@@ -89,13 +91,13 @@ class StepCostModel:
         Ordinary least squares, then any negative coefficient is pinned to 0
         and the rest refitted (the active-set idea of Lawson-Hanson NNLS).
         A coefficient whose feature does not vary in the window (e.g. only
-        decode steps seen) keeps its previous value.
+        decode steps seen), or that is not in ``fitted``, keeps its current value.
         """
         self._since_fit = 0
         x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
         y = torch.tensor([t for _, t in self.samples], dtype=torch.float64)
         coef = [self.a, self.b, self.d, self.e]
-        free = [0] + [j for j in range(1, x.shape[1]) if x[:, j].max() - x[:, j].min() > 0]
+        free = [0] + [j for j in self.fitted if x[:, j].max() - x[:, j].min() > 0]
         fixed = [j for j in range(x.shape[1]) if j not in free]
         y_adj = y - sum(coef[j] * x[:, j] for j in fixed) if fixed else y
         scale = x[:, free].abs().max(dim=0).values.clamp(min=1e-12)  # condition the columns

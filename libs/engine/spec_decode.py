@@ -35,14 +35,15 @@ at the first token that does not raise it; see ``_choose`` for why all are
 scanned). SPS, the steps per second of the step being planned, is 1 / T with T
 a step cost model (``cost_model.StepCostModel``: a + b·Σn + d·Σn(c + n/2) +
 e·Σ(c + n) over the step's pieces) plus the step's measured overhead besides the
-forward pass. The model is fitted online on decode steps only (every piece one
-token plus its drafts; the engine's calibrated model until 16 were seen), since
-a verified token goes through the LM head and a prefill token does not. So a
-draft costs b + d·(its position) + e, and the price of the step without any
-draft, the baseline every draft must beat, includes the KV gather of the
-batch's contexts. Prefill chunks sharing the step are left out of T and τ:
-their compute is owed whatever is verified. Light load: the fixed per-step cost dominates, so long drafts
-pay; heavy load: each verified token's share grows, so only likely ones do.
+forward pass. Its a and b are fitted online on decode steps only (every piece
+one token plus its drafts; the engine's calibrated model until 16 were seen),
+since a verified token goes through the LM head and a prefill token does not;
+d and e are the engine's. So a draft costs b + d·(its position) + e, and the
+price of the step without any draft, the baseline every draft must beat,
+includes the KV gather of the batch's contexts. Prefill chunks sharing the step
+are left out of T and τ: their compute is owed whatever is verified. Light
+load: the fixed per-step cost dominates, so long drafts pay; heavy load: each
+verified token's share grows, so only likely ones do.
 (DSpark's SPS(B) is a curve over B alone; on the CPU a step's time depends on
 the contexts as much as on B, and a curve profiled at one context priced the
 no-draft baseline at half its real cost at 32 requests: see
@@ -222,10 +223,10 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.num_spec_seqs = 0
         self.overhead_s = 0.0  # a step's seconds besides the forward pass (``observe_overhead``)
-        # seconds of a decode step (no prefill chunk) as a function of its pieces: fitted on
-        # those steps only, since a verified token goes through the LM head (a prefill token
-        # does not), and on this model's 49k vocabulary that is about a quarter of its cost
-        self.decode_cost = StepCostModel()
+        # seconds of a decode step (no prefill chunk): its a and b fitted on those steps only, since
+        # a verified token goes through the LM head and a prefill token does not (e.g. SmolLM2-135M:
+        # ~1.1 of ~4.6 ms a token on one thread); d and e are the engine model's (``observe_step``)
+        self.decode_cost = StepCostModel(fitted=(1,))
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
     # --- which requests -------------------------------------------------------------
@@ -326,7 +327,7 @@ class SpecDecoder:
         # Prefill chunks sharing the step are left out: their compute is owed whatever is verified,
         # and counted in, they would dilute the rate and let unlikely drafts in.
         cost = self.cost()
-        decode = [s for s in seqs if s.num_scheduled_tokens == 1]
+        decode = [s for s in seqs if s.num_scheduled_tokens == 1 and s.num_computed_tokens + 1 >= len(s.token_ids)]
         step_s = self.overhead_s + cost.predict([(1, s.num_computed_tokens) for s in decode])
         tau = float(len(decode))
         best = tau / step_s if step_s > 0 else 0.0
@@ -359,10 +360,21 @@ class SpecDecoder:
         return self.decode_cost if len(self.decode_cost.samples) >= MIN_DECODE_STEPS else self.engine.cost_model
 
     def observe_step(self, seqs: list[Sequence], pieces: list[tuple[int, int]], seconds: float) -> None:
-        """A step's forward seconds: a decode step (every piece one token plus its drafts, no
-        prefill chunk) refits the decode-step cost model."""
-        if all(n == 1 + len(s.draft_token_ids) for s, (n, _) in zip(seqs, pieces)):
-            self.decode_cost.observe(pieces, seconds)
+        """The forward-pass seconds (``runner.execute``, no sampling or verification) of a step
+        that fed ``pieces`` ((new tokens, context tokens) per sequence of ``seqs``). A decode step,
+        where every sequence feeds its last token plus its drafts (no prefill chunk), refits the
+        decode-step model's a and b (seconds per step, per token with the LM head). Its d and e
+        (attention, KV gather: the same for any token) are the engine model's, which prefill
+        steps let tell apart; a decode step without drafts cannot. The first decode step starts
+        it from the engine's a and b (a coefficient keeps its value while its feature does not
+        vary, e.g. b while every step feeds the same number of tokens)."""
+        if not all(n == 1 + len(s.draft_token_ids) and c + n >= len(s.token_ids) for s, (n, c) in zip(seqs, pieces)):
+            return
+        model, engine = self.decode_cost, self.engine.cost_model
+        if not model.samples:
+            model.a, model.b = engine.a, engine.b
+        model.d, model.e = engine.d, engine.e
+        model.observe(pieces, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """A whole step's seconds beyond its forward pass (scheduling, drafting, verification,
