@@ -261,6 +261,57 @@ def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(mo
     assert all(same) if invariant else not all(same)
 
 
+def test_packed_rows_are_tuned_per_shape_and_route_the_gemm(monkeypatch):
+    """``tune_packed_rows``: packed GEMM runs up to the measured crossover, ``F.linear`` above it.
+    Here plain linear is made slow below 32 rows and free from 32 on, so the crossover must be
+    24 (the grid point before 32); a second layer of the same shape is not measured again."""
+    import time as _time
+
+    import torch.nn.functional as F
+
+    from deepinfer.models import layers
+    from deepinfer.models.layers import Linear, tune_packed_rows
+
+    torch.manual_seed(0)
+    a, b = Linear(96, 80, bias=False), Linear(96, 80, bias=False)
+    if not (a.pack() and b.pack()):
+        pytest.skip("no MKL")
+    real = F.linear
+    plain_rows = []
+
+    def fake_linear(x, w, bias=None):
+        plain_rows.append(x.shape[0])
+        if x.shape[0] < 32:
+            _time.sleep(0.005)
+            return real(x, w, bias)
+        return x.new_zeros(x.shape[0], w.shape[0])  # "free": and visibly not the packed result
+
+    monkeypatch.setattr(F, "linear", fake_linear)
+    monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+    assert tune_packed_rows([a, b]) == {(96, 80): 24}
+    assert a.packed_max_rows == b.packed_max_rows == 24
+    measured = len(plain_rows)
+    tune_packed_rows([b])
+    assert len(plain_rows) == measured  # cached per shape
+    x = torch.randn(40, 96)
+    plain_rows.clear()
+    assert torch.allclose(a(x[:24]), x[:24] @ a.weight.T, atol=1e-5) and plain_rows == []  # packed
+    assert torch.equal(a(x), torch.zeros(40, 80)) and plain_rows == [40]  # above: F.linear
+    a.batch_invariant = True  # batch-invariant mode never leaves the packed path
+    assert torch.allclose(a(x), x @ a.weight.T, atol=1e-5)
+
+
+def test_engine_tunes_its_packed_layers_unless_batch_invariant(model_dir):
+    from deepinfer.models.layers import TUNE_ROWS, Linear
+
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=16 << 20))
+    rows = {m.packed_max_rows for m in engine.model.modules() if isinstance(m, Linear) and m.packed is not None}
+    assert rows and rows <= {0, *TUNE_ROWS}
+    assert any("packed_max_rows" in vars(m) for m in engine.model.modules() if isinstance(m, Linear))
+    inv = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=16 << 20, batch_invariant=True))
+    assert not any("packed_max_rows" in vars(m) for m in inv.model.modules() if isinstance(m, Linear))
+
+
 def test_blocks_loaded_from_another_engine_are_prefix_hits(model_dir, prompts):
     """``load_prefix`` (the storage tier's way in): blocks exported by engine A, loaded into
     engine B's prefix cache, are hit by B's request, which then equals B's cold run."""

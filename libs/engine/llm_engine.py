@@ -45,7 +45,7 @@ from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, 
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore.hashing import model_fingerprint
-from deepinfer.models.layers import Linear
+from deepinfer.models.layers import Linear, tune_packed_rows
 from deepinfer.models.loader import DTYPES, load_model
 from deepinfer.models.moe import MoEBlock
 from deepinfer.protocol import SamplingParams
@@ -69,7 +69,9 @@ class EngineConfig:
     shares (see ``models.layers.Linear``); off by default on CPU because it
     roughly doubles batch-1 decode time there.
     packed_weights: run linear layers from MKL-packed weights (CPU fp32; one
-    extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes).
+    extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes), up to
+    the rows where packed GEMM stops being faster, measured per weight shape at
+    start-up (``models.layers.tune_packed_rows``) unless ``batch_invariant``.
     async_scheduling: workers drive the engine with ``step_async`` (schedule
     step t+1 while step t runs) instead of ``step``.
     swa_replay: hybrid sliding-window models, a cached prefix whose window state
@@ -174,6 +176,8 @@ class LLMEngine:
                 module.batch_invariant = config.batch_invariant
             if isinstance(module, Linear) and config.packed_weights:
                 module.pack()
+        if config.packed_weights and not config.batch_invariant:  # (batch-invariant mode stays packed)
+            tune_packed_rows([m for m in self.model.modules() if isinstance(m, Linear)])
         self.kernels = kernel_select.resolve(config.kernels, next(self.model.parameters()).device)
         kernel_select.use(self.model, self.kernels)
         dtype = DTYPES[config.dtype]

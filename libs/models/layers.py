@@ -10,6 +10,7 @@ match them token for token.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +24,12 @@ class Linear(nn.Linear):
 
     ``pack()`` stores the weight in MKL's GEMM-ready layout
     (``torch.ops.mkl._mkl_reorder_linear_weight``, the layout torch.compile's
-    CPU freezing uses). NOTE: measured on this 2-core CPU, packed GEMM is
-    1.2-5x faster than ``F.linear`` for M = 1..128 rows (decode and small
-    batches: it skips re-packing the weight on every call) and slower for
-    prefill-sized M, so rows above ``PACKED_MAX_ROWS`` use ``F.linear``. The
-    packed layout does not depend on M. Costs one extra copy of the weight.
+    CPU freezing uses). Packed GEMM is faster than ``F.linear`` for few rows
+    (decode: it skips re-packing the weight on every call) and slower for
+    prefill-sized M, so rows above ``packed_max_rows`` use ``F.linear``. Where
+    the two cross depends on the CPU and the shape (``tune_packed_rows``
+    measures it; ``PACKED_MAX_ROWS`` until then). The packed layout does not
+    depend on M. Costs one extra copy of the weight.
 
     Batch invariance: packed GEMM gives each row the same bits for any M >= 4
     (1-3 rows take another kernel on some CPUs); ``F.linear`` gives other bits
@@ -39,6 +41,7 @@ class Linear(nn.Linear):
 
     PACKED_MAX_ROWS = 128
     INVARIANT_MIN_ROWS = 16
+    packed_max_rows = PACKED_MAX_ROWS  # most rows run packed (per layer: ``tune_packed_rows``)
     batch_invariant = False
     packed: torch.Tensor | None = None
 
@@ -58,11 +61,65 @@ class Linear(nn.Linear):
         # bits differ (seen on one AMD EPYC host, not on another)
         if self.batch_invariant and m < self.INVARIANT_MIN_ROWS:
             return self.forward(F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m)))[:m]
-        # NOTE: above PACKED_MAX_ROWS plain linear is faster but, for some shapes (M = 129-192
+        # NOTE: above packed_max_rows plain linear is faster but, for some shapes (M = 129-192
         # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
-        if self.packed is None or (m > self.PACKED_MAX_ROWS and not self.batch_invariant):
+        if self.packed is None or (m > self.packed_max_rows and not self.batch_invariant):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, self.bias, m)
+
+
+# (in_features, out_features, torch threads) -> measured ``Linear.packed_max_rows``, once per process
+_PACKED_ROWS: dict[tuple[int, int, int], int] = {}
+TUNE_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) -> dict[tuple[int, int], int]:
+    """Set each packed layer's ``packed_max_rows`` to where packed GEMM stops being faster.
+
+    Per weight shape (measured once per process and torch thread count): the M of ``grid``
+    before the first at which ``F.linear`` beat the packed GEMM (best of 3 timed calls each on
+    random fp32 rows [M, in_features]), or the last M of the grid if it never did; 0 when it
+    already did at the first. Returns (in_features, out_features) -> rows. Costs ~0.5 s for
+    SmolLM2-135M's shapes on one thread.
+
+    NOTE: the crossover is a property of the CPU. On one AMD EPYC host packed GEMM won up to
+    128 rows on every SmolLM2 shape; on an Intel Xeon host (2026-12-02) ``F.linear`` won from
+    24 rows on the 576 -> 49,152 LM head (51 against 113 ms at 128 rows) and from 64 on the
+    MLP, so verify steps of speculative decoding (tens of rows through the head) ran at half
+    speed on a fixed threshold.
+    """
+    threads = torch.get_num_threads()
+    out: dict[tuple[int, int], int] = {}
+    for layer in layers:
+        if layer.packed is None:
+            continue
+        key = (layer.in_features, layer.out_features, threads)
+        if key not in _PACKED_ROWS:
+            _PACKED_ROWS[key] = _measure_crossover(layer, grid)
+        layer.packed_max_rows = out[key[:2]] = _PACKED_ROWS[key]
+    return out
+
+
+@torch.inference_mode()
+def _measure_crossover(layer: Linear, grid: tuple[int, ...]) -> int:
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    rows = 0
+    for m in grid:
+        x = torch.randn(m, layer.in_features)
+        packed = best(lambda: torch.ops.mkl._mkl_linear(x, layer.packed, layer.weight, layer.bias, m))
+        plain = best(lambda: F.linear(x, layer.weight, layer.bias))
+        if plain < packed:
+            break
+        rows = m
+    return rows
 
 
 class RMSNorm(nn.Module):
