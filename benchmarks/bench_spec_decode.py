@@ -6,10 +6,19 @@ code with one name changed), greedy, so every mode produces the same tokens
 (lossless verification; the script checks it) and only speed differs. Drafts:
 prompt lookup (``ngram``).
 
+What runs (``--placement``): ``decode`` (default) is a decode worker as the mesh
+runs it: every prompt is prefilled beforehand by a prefill-only engine (not
+timed: that is the prefill worker's work), and each request joins the decode
+engine with its imported KV and first token (``add_request(kv_blocks=...)``,
+timed), so the engine's steps are decode steps, where speculation acts.
+``colocated`` is one engine that prefills its own requests too (chunks of
+arriving prompts share the decode steps), as a non-disaggregated server runs.
+
 For each concurrency C (default 1, 8, 32) a closed loop keeps C requests in the
 engine until max(8, ``--requests-per-slot`` x C) requests are done. Reported per
-mode: output tokens per CPU-second and per wall second (all requests; the ratios
-use CPU seconds), per-request speed (output tokens / the request's own decode
+mode: output tokens per CPU-second and per wall second (the engine's tokens over
+all requests: with ``decode`` placement, all but each request's first, which
+its prefill made; the ratios use CPU seconds), per-request speed (output tokens / the request's own decode
 time on its engine's clock, mean), mean acceptance length (tokens a request emits per step it
 verifies drafts in), verify budget (draft tokens verified per step, mean), and
 the ratios to fixed k=5 and to no speculation. Modes: none, fixed k = 1, 3, 5, 8,
@@ -71,18 +80,19 @@ def prompts(tok, n: int, seed: int = 0) -> list[list[int]]:
 
 class Run:
     """One mode's engine and its closed loop: ``tick`` admits requests up to the concurrency
-    and runs one engine step. Clocks count this engine's own steps only (wall seconds and the
-    process's CPU seconds, all torch threads: no other engine runs meanwhile), so engines
-    stepped in turn do not count each other's time."""
+    and runs one engine step. Clocks count this engine's own admissions (KV import) and steps
+    only (wall seconds and the process's CPU seconds, all torch threads: no other engine runs
+    meanwhile), so engines stepped in turn do not count each other's time."""
 
     def __init__(self, model_dir, ps: list[list[int]], concurrency: int, spec: SpecConfig | None,
-                 max_tokens: int, threads: int):
+                 max_tokens: int, threads: int, handoffs: list | None = None):
         self.engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=512 << 20, max_num_seqs=max(64, concurrency),
                                                         num_threads=threads, calibrate=True, speculative=spec,
                                                         enable_prefix_caching=False))
         self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.concurrency = concurrency
         self.queue = list(enumerate(ps))
+        self.handoffs = handoffs  # per prompt the prefill engine's "handoff" StepOutput (None: colocated)
         self.out: dict[str, list[int]] = {}
         self.first_at: dict[str, float] = {}
         self.done_at: dict[str, float] = {}
@@ -94,11 +104,16 @@ class Run:
 
     def tick(self) -> None:
         engine = self.engine
+        t0, c0 = time.perf_counter(), time.process_time()
         while self.queue and engine.num_running + engine.num_waiting < self.concurrency:
             i, p = self.queue.pop(0)
-            engine.add_request(str(i), p, self.sp)
+            if self.handoffs is None:
+                engine.add_request(str(i), p, self.sp)
+            else:  # a decode worker: the prompt's KV and first token come from the prefill worker
+                h = self.handoffs[i]
+                engine.add_request(str(i), p, self.sp, output_token_ids=h.new_token_ids, kv_blocks=h.kv_blocks,
+                                   num_kv_tokens=h.num_kv_tokens)
             self.out[str(i)] = []
-        t0, c0 = time.perf_counter(), time.process_time()
         outputs = engine.step()
         self.wall += time.perf_counter() - t0
         self.cpu += time.process_time() - c0
@@ -126,11 +141,26 @@ class Run:
         return res
 
 
+def prefill(model_dir, ps: list[list[int]], sp: SamplingParams, threads: int) -> list:
+    """Each prompt through a prefill-only engine (the prefill worker's): its "handoff"
+    ``StepOutput`` (first token, the prompt's KV blocks), in prompt order."""
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=512 << 20, prefill_only=True, num_threads=threads,
+                                               enable_prefix_caching=False))
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), p, sp)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert all(o.finish_reason == "handoff" for o in outs.values()), "a prompt ended at its first token"
+    return [outs[str(i)] for i in range(len(ps))]
+
+
 def run_lockstep(model_dir, ps: list[list[int]], concurrency: int, modes: list[tuple[str, SpecConfig | None]],
-                 max_tokens: int, threads: int) -> dict[str, dict]:
+                 max_tokens: int, threads: int, handoffs: list | None = None) -> dict[str, dict]:
     """Every mode's engine in one process, stepped in turn (one step each, the order rotating),
     until all are done: each mode sees the same machine (other load, CPU clock) over the run."""
-    runs = {name: Run(model_dir, ps, concurrency, spec, max_tokens, threads) for name, spec in modes}
+    runs = {name: Run(model_dir, ps, concurrency, spec, max_tokens, threads, handoffs) for name, spec in modes}
     order = list(runs.values())
     while any(r.busy for r in order):
         for r in order:
@@ -147,6 +177,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved runs of every mode; the best counts")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--placement", choices=("decode", "colocated"), default="decode",
+                    help="decode: a decode worker (prompts prefilled elsewhere, KV imported); colocated: "
+                         "one engine that also prefills")
     ap.add_argument("--modes", nargs="+", default=None,
                     help='modes to run (default all): none, "fixed k=1", ..., adaptive; none and fixed k=5 always run')
     args = ap.parse_args()
@@ -161,12 +194,16 @@ def main() -> None:
     if args.modes:
         modes = [(n, spec) for n, spec in modes if n in args.modes or n in ("none", "fixed k=5")]
     print(f"SmolLM2-135M-Instruct, fp32, {args.threads} torch thread(s), greedy, max_tokens {args.max_tokens}, "
-          f"ngram drafts; load average {os.getloadavg()[0]:.2f}")
+          f"ngram drafts, placement {args.placement}; load average {os.getloadavg()[0]:.2f}")
     for c in args.concurrency:
         ps = prompts(tok, max(8, c * args.requests_per_slot), seed=c)
+        handoffs = None
+        if args.placement == "decode":
+            handoffs = prefill(model_dir, ps, SamplingParams(temperature=0.0, max_tokens=args.max_tokens),
+                               args.threads)
         res: dict[str, dict] = {}
         for _ in range(args.rounds):
-            for name, r in run_lockstep(model_dir, ps, c, modes, args.max_tokens, args.threads).items():
+            for name, r in run_lockstep(model_dir, ps, c, modes, args.max_tokens, args.threads, handoffs).items():
                 if name not in res or r["tok_cpu_s"] > res[name]["tok_cpu_s"]:
                     res[name] = r
         base, k5 = res["none"], res["fixed k=5"]
