@@ -42,6 +42,10 @@ if [[ "${1:-}" == "--vllm" ]]; then
 fi
 
 bash "$ROOT/scripts/setup.sh"
+# the embedded models' one-time conversions (the default model; Gemma-3-270M for the model-family
+# tests): set-up, done before the suite so no test's time includes them (a no-op once converted)
+"$ROOT/.venv/bin/python" -c 'from deepinfer.models.convert import ensure_default_model, ensure_gemma3_270m
+ensure_default_model(progress=False); ensure_gemma3_270m(progress=False)'
 rc=0
 suite "$ROOT/.venv/bin/python" --durations=25 "$@" || rc=$?
 if [[ $# -eq 0 && "${DEEPINFER_SKIP_VLLM:-}" != 1 ]]; then
