@@ -84,7 +84,7 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
 
     NOTE: the crossover is a property of the CPU. On one AMD EPYC host packed GEMM won up to
     128 rows on every SmolLM2 shape; on an Intel Xeon host (2026-12-02) ``F.linear`` won from
-    24 rows on the 576 -> 49,152 LM head (51 against 113 ms at 128 rows) and from 64 on the
+    24 rows on the 576 -> 49,152 LM head (51 against 113 ms at 128 rows) and from 48-64 on the
     MLP, so verify steps of speculative decoding (tens of rows through the head) ran at half
     speed on a fixed threshold.
     """
