@@ -38,7 +38,8 @@ e·Σ(c + n) over the step's pieces) plus the step's measured overhead besides t
 forward pass. Its a and b are fitted online on decode steps only (every piece
 one token plus its drafts; the engine's calibrated model until 16 were seen),
 since a verified token goes through the LM head and a prefill token does not;
-d and e are the engine's. So a draft costs b + d·(its position) + e, and the
+d and e are the engine's at the first decode step (its start-up calibration),
+kept from then on. So a draft costs b + d·(its position) + e, and the
 price of the step without any draft, the baseline every draft must beat,
 includes the KV gather of the batch's contexts. Prefill chunks sharing the step
 are left out of T and τ: their compute is owed whatever is verified. Light
@@ -225,7 +226,8 @@ class SpecDecoder:
         self.overhead_s = 0.0  # a step's seconds besides the forward pass (``observe_overhead``)
         # seconds of a decode step (no prefill chunk): its a and b fitted on those steps only, since
         # a verified token goes through the LM head and a prefill token does not (e.g. SmolLM2-135M:
-        # ~1.1 of ~4.6 ms a token on one thread); d and e are the engine model's (``observe_step``)
+        # ~1.1 of ~4.6 ms a token on one thread); d and e the engine model's at the first decode
+        # step (``observe_step``)
         self.decode_cost = StepCostModel(fitted=(1,))
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
@@ -364,16 +366,19 @@ class SpecDecoder:
         that fed ``pieces`` ((new tokens, context tokens) per sequence of ``seqs``). A decode step,
         where every sequence feeds its last token plus its drafts (no prefill chunk), refits the
         decode-step model's a and b (seconds per step, per token with the LM head). Its d and e
-        (attention, KV gather: the same for any token) are the engine model's, which prefill
-        steps let tell apart; a decode step without drafts cannot. The first decode step starts
-        it from the engine's a and b (a coefficient keeps its value while its feature does not
+        (attention, KV gather: the same for any token) are the engine model's at the first
+        decode step, i.e. its start-up calibration (prefills at contexts 0..2048, which tell
+        them apart) plus any prefill steps before, and are kept: the engine's later refits over
+        a window of decode steps alone, as in a decode worker, cannot tell the per-context cost
+        from the fixed one (their least squares dropped e to 0 under load, which priced the
+        no-draft baseline low and let too many drafts in). The first decode step also starts
+        a and b from the engine's (a coefficient keeps its value while its feature does not
         vary, e.g. b while every step feeds the same number of tokens)."""
         if not all(n == 1 + len(s.draft_token_ids) and c + n >= len(s.token_ids) for s, (n, c) in zip(seqs, pieces)):
             return
         model, engine = self.decode_cost, self.engine.cost_model
         if not model.samples:
-            model.a, model.b = engine.a, engine.b
-        model.d, model.e = engine.d, engine.e
+            model.a, model.b, model.d, model.e = engine.a, engine.b, engine.d, engine.e
         model.observe(pieces, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
