@@ -51,6 +51,27 @@ def test_calibrator_learns_conditional_acceptance_per_bucket():
     assert cal.confidence(("x", 2)) == 0.5  # never reached: still the prior
 
 
+def test_ngram_confidence_keys_tokens_the_target_replaced_before():
+    """An edit recurs (a rename, say): a draft token the target rejected when this request
+    drafted it before gets its own calibration key, so its confidence is learned apart."""
+    dec = _decoder(StepCostModel(a=0.01, b=1e-3))
+    seq = Sequence("0", [1, 2, 3, 4, 1, 2, 3], 7, SamplingParams(temperature=0.0))
+    d = dec._ngram_draft(seq, 3)
+    assert d.tokens == [4, 1, 2] and [b[2] for b in d.buckets] == ["kept"] * 3
+    seq.draft_token_ids = d.tokens
+    dec._buckets[id(seq)] = d.buckets
+    logits = torch.full((4, 16), -10.0)
+    logits[0, 4] = logits[1, 9] = logits[2, 2] = logits[3, 0] = 10.0  # 4 accepted, 1 replaced by 9
+    assert dec.verify(logits, [seq], [0], {}, []).token_ids == [[4, 9]]
+    assert seq.spec_state.replaced == {1} and seq.spec_state.last == "some"
+    seq.draft_token_ids = []
+    d = dec._ngram_draft(seq, 3)
+    assert d.tokens == [4, 1, 2] and [b[2] for b in d.buckets] == ["kept", "replaced", "kept"]
+    for _ in range(50):  # the replaced token keeps being rejected: its bucket learns it, the others do not
+        dec.calibrator.observe(d.buckets, 1)
+    assert dec.calibrator.confidence(d.buckets[1]) < 0.1 < 0.9 < dec.calibrator.confidence(d.buckets[0])
+
+
 # ---------------------------------------------------------------------------- DSpark Algorithm 1
 
 

@@ -15,7 +15,9 @@ Drafters (``SpecConfig.method``):
   drafts. An incremental n-gram -> position index per request keeps it O(new tokens).
   Confidence: the acceptance rate learned online per bucket (how often the draft
   token followed its n-gram among the n-gram's earlier occurrences: always / at
-  least half / less, the suffix decoding signal of arXiv 2411.04975; how the
+  least half / less, the suffix decoding signal of arXiv 2411.04975; whether the
+  target rejected that token when this request drafted it before, since an edit
+  (a rename, say) recurs wherever the text it copies has the old token; how the
   request's previous drafts fared: all accepted / some / none / no history, since
   a request copying a passage keeps copying; draft position; match length).
 * ``draft``: self-draft by early exit (LayerSkip, arXiv 2404.16710; Draft & Verify,
@@ -176,6 +178,7 @@ class NgramIndex:
         self.nexts: dict[int, dict[tuple, dict[int, int]]] = {n: {} for n in self.sizes}
         self.indexed = 0  # n-grams ending at positions < indexed+1 are in the maps
         self.last = "new"  # how the request's last verified drafts fared: "all", "some", "none"
+        self.replaced: set[int] = set()  # draft tokens of this request the target rejected (replaced)
 
     def lookup(self, tokens: list[int], k: int) -> tuple[int, list[int], list[float]]:
         """(n, up to k tokens that followed the latest earlier occurrence of the longest
@@ -290,8 +293,10 @@ class SpecDecoder:
         if seq.spec_state is None:
             seq.spec_state = NgramIndex(self.config.ngram_min, self.config.ngram_max)
         n, tokens, shares = seq.spec_state.lookup(seq.token_ids, k)
-        buckets = [("ngram", "one" if f == 1 else "most" if f >= 0.5 else "few", seq.spec_state.last, j, n)
-                   for j, f in enumerate(shares)]
+        st = seq.spec_state
+        buckets = [("ngram", "one" if f == 1 else "most" if f >= 0.5 else "few",
+                    "replaced" if t in st.replaced else "kept", st.last, j, n)
+                   for j, (f, t) in enumerate(zip(shares, tokens))]
         return Draft(tokens, [self.calibrator.confidence(b) for b in buckets], buckets)
 
     @torch.inference_mode()
@@ -439,6 +444,8 @@ class SpecDecoder:
                 self.calibrator.observe(self._buckets.pop(id(seq), []), accepted)
                 if isinstance(seq.spec_state, NgramIndex):
                     seq.spec_state.last = "all" if accepted == n - 1 else "some" if accepted else "none"
+                    if accepted < n - 1:
+                        seq.spec_state.replaced.add(seq.draft_token_ids[accepted])
                 start += n
         return SampleResult([tokens[i] for i in sampling], [logprobs[i] for i in sampling])
 
