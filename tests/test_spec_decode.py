@@ -69,7 +69,29 @@ def test_ngram_confidence_keys_tokens_the_target_replaced_before():
     assert d.tokens == [4, 1, 2] and [b[2] for b in d.buckets] == ["kept", "replaced", "kept"]
     for _ in range(50):  # the replaced token keeps being rejected: its bucket learns it, the others do not
         dec.calibrator.observe(d.buckets, 1)
-    assert dec.calibrator.confidence(d.buckets[1]) < 0.1 < 0.9 < dec.calibrator.confidence(d.buckets[0])
+    kept_same_j = d.buckets[1][:2] + ("kept",) + d.buckets[1][3:]
+    assert dec.calibrator.confidence(d.buckets[1]) < 0.1 < 0.9 < dec.calibrator.confidence(kept_same_j)
+
+
+def test_decode_step_model_follows_an_uncalibrated_engine_until_its_first_fit():
+    """Without a start-up calibration there is nothing to keep: d and e follow the engine's
+    model until it has been fitted once, and are kept from then on."""
+    engine_cost = StepCostModel(a=0.01, b=1e-3, d=1e-7, e=0.0)
+    dec = _decoder(engine_cost)
+    seqs = _decode_seqs(4)
+    pieces = [(1, 100)] * 4
+    dec.observe_step(seqs, pieces, 0.02)
+    engine_cost.d, engine_cost.e = 2e-7, 1e-5  # refitted, but never by ``fit``: still followed
+    dec.observe_step(seqs, pieces, 0.02)
+    assert (dec.decode_cost.d, dec.decode_cost.e) == (2e-7, 1e-5)
+    engine_cost.samples.extend([([1, n, n * 50.0, n * 100.0], 0.01 + 1e-3 * n + 1e-5 * n * 100) for n in (1, 4, 16)])
+    engine_cost.fit()
+    fitted = (engine_cost.d, engine_cost.e)
+    dec.observe_step(seqs, pieces, 0.02)
+    assert (dec.decode_cost.d, dec.decode_cost.e) == fitted and engine_cost.num_fits == 1
+    engine_cost.e = 0.0  # a later refit over decode steps alone
+    dec.observe_step(seqs, pieces, 0.02)
+    assert (dec.decode_cost.d, dec.decode_cost.e) == fitted
 
 
 # ---------------------------------------------------------------------------- DSpark Algorithm 1
@@ -143,6 +165,7 @@ def test_adaptive_prices_by_the_decode_step_model_once_it_has_seen_decode_steps(
     window of decode steps alone cannot tell e from a). Steps with any prefill chunk (a long
     one, or a 1-token chunk short of the prompt's end) never reach it."""
     engine_cost = StepCostModel(a=0.01, b=1e-3, d=0.0, e=1e-5)
+    engine_cost.num_fits = 1  # calibrated at start-up
     dec = _decoder(engine_cost)
     truth = StepCostModel(a=0.02, b=4e-3, d=0.0, e=1e-5)  # what decode steps really cost
     chunk = Sequence("p", [1] * 600, 600, SamplingParams())

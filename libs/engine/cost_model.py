@@ -53,6 +53,7 @@ class StepCostModel:
         self.refit_every = refit_every
         self.refit_error = refit_error
         self._since_fit = 0
+        self.num_fits = 0  # times ``fit`` ran (0: a, b, d, e are still the constructor's)
         self.errors: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured)
 
     def predict(self, pieces: list[Piece]) -> float:
@@ -94,6 +95,7 @@ class StepCostModel:
         decode steps seen), or that is not in ``fitted``, keeps its current value.
         """
         self._since_fit = 0
+        self.num_fits += 1
         x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
         y = torch.tensor([t for _, t in self.samples], dtype=torch.float64)
         coef = [self.a, self.b, self.d, self.e]

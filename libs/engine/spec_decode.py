@@ -232,6 +232,7 @@ class SpecDecoder:
         # ~1.1 of ~4.6 ms a token on one thread); d and e the engine model's at the first decode
         # step (``observe_step``)
         self.decode_cost = StepCostModel(fitted=(1,))
+        self._kept_de = False  # decode_cost's d, e taken from a fitted engine model, kept since
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
 
     # --- which requests -------------------------------------------------------------
@@ -371,19 +372,25 @@ class SpecDecoder:
         that fed ``pieces`` ((new tokens, context tokens) per sequence of ``seqs``). A decode step,
         where every sequence feeds its last token plus its drafts (no prefill chunk), refits the
         decode-step model's a and b (seconds per step, per token with the LM head). Its d and e
-        (attention, KV gather: the same for any token) are the engine model's at the first
-        decode step, i.e. its start-up calibration (prefills at contexts 0..2048, which tell
-        them apart) plus any prefill steps before, and are kept: the engine's later refits over
+        (attention, KV gather: the same for any token) are the engine model's as it stands at
+        the first decode step, i.e. fitted on its start-up calibration (prefills at contexts
+        0..2048, which tell them apart) and the steps so far, and are kept: the engine's later refits over
         a window of decode steps alone, as in a decode worker, cannot tell the per-context cost
         from the fixed one (their least squares dropped e to 0 under load, which priced the
-        no-draft baseline low and let too many drafts in). The first decode step also starts
+        no-draft baseline low and let too many drafts in). An engine without calibration
+        (``EngineConfig.calibrate`` False) is followed until its first fit, whose d and e are
+        then kept (in a decode-only worker that fit has no prefill steps to anchor it: run
+        workers calibrated, as ``deepinfer serve`` does by default). The first decode step also starts
         a and b from the engine's (a coefficient keeps its value while its feature does not
         vary, e.g. b while every step feeds the same number of tokens)."""
         if not all(n == 1 + len(s.draft_token_ids) and c + n >= len(s.token_ids) for s, (n, c) in zip(seqs, pieces)):
             return
         model, engine = self.decode_cost, self.engine.cost_model
         if not model.samples:
-            model.a, model.b, model.d, model.e = engine.a, engine.b, engine.d, engine.e
+            model.a, model.b = engine.a, engine.b
+        if not self._kept_de:
+            model.d, model.e = engine.d, engine.e
+            self._kept_de = engine.num_fits > 0
         model.observe(pieces, seconds)
 
     def observe_overhead(self, seconds: float) -> None:
@@ -444,7 +451,8 @@ class SpecDecoder:
                 self.calibrator.observe(self._buckets.pop(id(seq), []), accepted)
                 if isinstance(seq.spec_state, NgramIndex):
                     seq.spec_state.last = "all" if accepted == n - 1 else "some" if accepted else "none"
-                    if accepted < n - 1:
+                    if accepted < n - 1 and out[accepted] != seq.draft_token_ids[accepted]:
+                        # (sampling's residual can fall back to the draft token itself: not replaced)
                         seq.spec_state.replaced.add(seq.draft_token_ids[accepted])
                 start += n
         return SampleResult([tokens[i] for i in sampling], [logprobs[i] for i in sampling])
