@@ -40,8 +40,8 @@ e·Σ(c + n) over the step's pieces) plus the step's measured overhead besides t
 forward pass. Its a and b are fitted online on decode steps only (every piece
 one token plus its drafts; the engine's calibrated model until 16 were seen),
 since a verified token goes through the LM head and a prefill token does not;
-d and e are the engine's at the first decode step (its start-up calibration),
-kept from then on. So a draft costs b + d·(its position) + e, and the
+d and e are the engine's at the first decode step once that model has been fitted
+(by its start-up calibration, in a worker), kept from then on. So a draft costs b + d·(its position) + e, and the
 price of the step without any draft, the baseline every draft must beat,
 includes the KV gather of the batch's contexts. Prefill chunks sharing the step
 are left out of T and τ: their compute is owed whatever is verified. Light
@@ -230,7 +230,7 @@ class SpecDecoder:
         # seconds of a decode step (no prefill chunk): its a and b fitted on those steps only, since
         # a verified token goes through the LM head and a prefill token does not (e.g. SmolLM2-135M:
         # ~1.1 of ~4.6 ms a token on one thread); d and e the engine model's at the first decode
-        # step (``observe_step``)
+        # step after its first fit (``observe_step``)
         self.decode_cost = StepCostModel(fitted=(1,))
         self._kept_de = False  # decode_cost's d, e taken from a fitted engine model, kept since
         self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
