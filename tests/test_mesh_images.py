@@ -181,7 +181,7 @@ def failover_requests(llava, salt: str, max_tokens: int) -> list[dict]:
 def test_decode_worker_killed_mid_stream_image_requests_resume_with_the_same_tokens(make_mesh, llava):
     import openai
 
-    from test_failover import Reports, log_count, process, until
+    from test_failover import busiest_decoding, log_count, process, until
 
     # two requests at a time per decode worker: the others wait there, so streams are still under way
     # (or waiting for a decode slot) when one worker is killed
@@ -210,28 +210,26 @@ def test_decode_worker_killed_mid_stream_image_requests_resume_with_the_same_tok
     async def scenario():
         reference = await streams(failover_requests(llava, "reference", max_tokens))
         assert all(isinstance(t, list) and len(t) == max_tokens for t in reference), reference
-        reports = await Reports().start(m)
         counts = {}
         run = asyncio.ensure_future(streams(failover_requests(llava, "failover", max_tokens),
                                             lambda i, n: counts.__setitem__(i, n)))
         await until(lambda: max(counts.values(), default=0) >= 40 or run.done(), 120, "streams to be under way")
-        victim = await reports.busiest("decode", busy=True)
         assert not run.done(), "the streams finished before the kill: lengthen them"
-        await asyncio.to_thread(process(m, victim.worker_id).kill)
+        victim, on_victim = busiest_decoding(m)  # by its log: its load reports lag
+        assert on_victim, "no decode worker is decoding"
+        await asyncio.to_thread(process(m, victim).kill)
         got = await run
-        await reports.close()
-        return reference, got, victim
+        return reference, got, victim, on_victim
 
-    reference, got, victim = asyncio.run(scenario())
+    reference, got, victim, on_victim = asyncio.run(scenario())
     errors = [g for g in got if isinstance(g, BaseException)]
     assert not errors, errors
     for i, (g, r) in enumerate(zip(got, reference)):  # greedy and seeded, resumed or not: the uninterrupted tokens
         assert g == r, f"stream {i}: first difference at token {next(k for k, (a, b) in enumerate(zip(g, r)) if a != b)}"
-    survivor = next(p.name for p in m.processes["decode"] if p.name != victim.worker_id)
+    survivor = next(p.name for p in m.processes["decode"] if p.name != victim)
     resumed = log_count(m, "gateway-0", "failover_done")
     log = process(m, survivor).log_path.read_text()
-    print(f"\nkilled {victim.worker_id} ({victim.active_requests + victim.waiting_requests} requests); "
-          f"{resumed} streams resumed on {survivor}")
+    print(f"\nkilled {victim} ({len(on_victim)} decoding); {resumed} streams resumed on {survivor}")
     assert resumed >= 1
     assert log.count('"kv_prefix_loaded"') >= 1  # the prompt's stored blocks (image hashes in their keys)
     assert log.count('"image_embeddings": true') >= 1  # image rows recomputed from the tier's embeddings
