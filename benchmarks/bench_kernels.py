@@ -3,8 +3,8 @@
 Each kernel runs on one realistic shape (a Llama-3-8B-like layer: 32 query heads,
 8 KV heads, head_dim 128, hidden 4096, bf16, 16-token blocks; a Qwen3-30B-A3B-like
 MoE layer: 128 experts, top-8, hidden 2048, expert width 768) through the torch
-reference (kernels/attention.py, models/layers.py, models/moe.py) and the Triton
-kernel (kernels/triton_*.py). Both results are compared first (max |diff| printed,
+reference (libs/kernels/attention.py, models/layers.py, models/moe.py) and the Triton
+kernel (libs/kernels/triton_*.py). Both results are compared first (max |diff| printed,
 so a fast wrong kernel shows); then ``triton.testing.do_bench`` (median of
 repeated CUDA-event-timed runs, caches flushed between) times each. Printed per
 row: torch ms, triton ms, torch / triton (> 1: Triton faster).

@@ -3,7 +3,7 @@
 Speculative decoding's adaptive verification (issue #9) gives each request its own number of draft
 tokens, so a verify step feeds queries of uneven lengths (1..γ+1 per sequence), where fixed-k
 verification feeds every sequence k+1. The torch attention groups sequences by query length
-(``kernels/attention.py``), one SDPA call per group and layer, so uneven lengths cost more groups.
+(``libs/kernels/attention.py``), one SDPA call per group and layer, so uneven lengths cost more groups.
 This script times the model forward of both shapes at the same total tokens, interleaved in rounds,
 and prints them side by side with the ratio.
 

@@ -42,13 +42,12 @@ if ! "$PY" -c 'import triton, pytest' >/dev/null 2>&1; then
     exit 1
 fi
 
-# deepinfer's packages live in libs/ and kernels/ (pyproject's package-dir); without an install, a shim
+# deepinfer's engine and kernels live in libs/ (pyproject's package-dir: deepinfer <- libs/); without an install, a shim
 if ! "$PY" -c 'import deepinfer.kernels.attention' >/dev/null 2>&1; then
     SHIM="$(mktemp -d)"
     trap 'rm -rf "$SHIM"' EXIT
     mkdir "$SHIM/deepinfer"
     for f in "$ROOT"/libs/*; do ln -s "$f" "$SHIM/deepinfer/"; done
-    ln -s "$ROOT/kernels" "$SHIM/deepinfer/kernels"
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
     say "deepinfer not installed for $PY: using $SHIM"
 fi

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention import build_metadata, paged_attention, store_kvcache
+from deepinfer.kernels.attention import build_metadata, paged_attention, store_kvcache
 
 
 def _reference(q, ks, vs, query_lens, context_lens, scale, window):

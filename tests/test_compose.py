@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
-SOURCE_DIRS = ("libs", "services", "kernels")
+SOURCE_DIRS = ("libs", "services")
 
 # Services a deployment must run, and the engine workers among them (storage tier, metrics).
 REQUIRED = ("nats", "redis", "gateway", "tokenizer", "kvindex", "prefill", "decode", "vision")
@@ -1109,7 +1109,7 @@ DOCKERFILE_BREAKAGES = {
     "another entrypoint": (lambda t: t.replace('ENTRYPOINT ["deepinfer"]',
                                                'ENTRYPOINT ["python", "-m", "deepinfer.cli"]'),
                            "entrypoint is"),
-    "a missing source": (lambda t: t.replace("COPY kernels kernels", "COPY kernel kernels"), "COPY kernel:"),
+    "a missing source": (lambda t: t.replace("COPY services services", "COPY service services"), "COPY service:"),
 }
 
 

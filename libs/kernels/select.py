@@ -5,9 +5,9 @@ The setting (``EngineConfig.kernels``, worker flag ``--kernels``, env
 
     auto    (default) Triton when the model's tensors are on a CUDA device and
             triton imports; the torch reference otherwise (so on a CPU: torch)
-    torch   the torch reference everywhere (kernels/attention.py, models/layers.py,
+    torch   the torch reference everywhere (libs/kernels/attention.py, models/layers.py,
             models/moe.py)
-    triton  the Triton kernels (kernels/triton_*.py); on a CPU only where they were
+    triton  the Triton kernels (libs/kernels/triton_*.py); on a CPU only where they were
             built for the Triton interpreter (TRITON_INTERPRET=1 in the environment
             before they are first imported), which is slow and meant for tests.
             ValueError where that cannot run.
