@@ -93,7 +93,10 @@ def decoding(mesh: Mesh, worker_id: str) -> set[str]:
     started, finished = set(), set()
     for line in process(mesh, worker_id).log_path.read_text().splitlines():
         if '"decode_started"' in line or '"decode_finished"' in line:
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except ValueError:  # the line being written as we read
+                continue
             (started if rec["event"] == "decode_started" else finished).add(rec["request_id"])
     return started - finished
 
