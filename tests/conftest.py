@@ -15,11 +15,17 @@ Logs of every process are kept under pytest's temporary directory
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import pytest
 
 from deepinfer.launcher import Mesh, start_nats, start_redis
+
+# Meshes started by the tests run fp32 unless a test asks otherwise (``env={"DEEPINFER_DTYPE": ...}``):
+# their outputs are pinned token for token against ``transformers`` in fp32, and ``--dtype auto``
+# would pick bf16 on a CPU with fast bf16 GEMMs (tests/test_dtype.py covers that choice).
+os.environ.setdefault("DEEPINFER_DTYPE", "float32")
 
 MESH_START_TIMEOUT = 300  # seconds for services to become healthy (the model is converted before)
 

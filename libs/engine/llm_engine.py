@@ -36,6 +36,7 @@ from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.hybrid_blocks import SWA_MODES, HybridBlockManager, WindowBlockManager
 from deepinfer.engine.kv_layout import KVLayout
 from deepinfer.engine.cost_model import StepCostModel, features
+from deepinfer.engine.dtype_choice import choose_dtype
 from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
@@ -45,6 +46,7 @@ from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, 
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore.hashing import model_fingerprint
+from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import Linear, tune_packed_rows
 from deepinfer.models.loader import DTYPES, load_model
 from deepinfer.models.moe import MoEBlock
@@ -68,8 +70,11 @@ class EngineConfig:
     batch_invariant: a request's greedy output does not depend on the batch it
     shares (see ``models.layers.Linear``); off by default on CPU because it
     roughly doubles batch-1 decode time there.
-    packed_weights: run linear layers from MKL-packed weights (CPU fp32; one
-    extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes), up to
+    dtype: weights and KV cache: "float32", "bfloat16", "float16", or "auto"
+    (``engine.dtype_choice``: bf16 where this CPU's bf16 GEMMs beat fp32 on the
+    model's shapes, timed at start-up; resolved into this field).
+    packed_weights: run linear layers from packed weights (CPU: MKL for fp32,
+    oneDNN for bf16; one extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes), up to
     the rows where packed GEMM stops being faster, measured per weight shape at
     start-up (``models.layers.tune_packed_rows``) unless ``batch_invariant``.
     async_scheduling: workers drive the engine with ``step_async`` (schedule
@@ -170,6 +175,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
+        self.dtype_choice = choose_dtype(ModelConfig.from_dir(model_dir), config.dtype, config.batch_invariant)
+        if config.dtype == "auto":
+            log.info("dtype chosen", **self.dtype_choice.log_fields())
+        config.dtype = self.dtype_choice.dtype
         self.model, self.model_config = load_model(model_dir, config.dtype)
         for module in self.model.modules():
             if isinstance(module, (Linear, MoEBlock)):

@@ -239,7 +239,8 @@ class MockEngine(LLMEngine):
         self.model_config = dataclasses.replace(real, num_hidden_layers=1, num_key_value_heads=1, head_dim=1)
         self.max_model_len = min(config.max_model_len or real.max_position_embeddings, real.max_position_embeddings)
         self.fingerprint = mock_fingerprint(model_dir, config.block_size)
-        self.block_bytes = ModelRunner.block_bytes(real, config.block_size, DTYPES[config.dtype])  # modelled
+        self.block_bytes = ModelRunner.block_bytes(  # modelled ("auto": fp32)
+            real, config.block_size, DTYPES.get(config.dtype, torch.float32))
         num_blocks = max(2, config.kv_cache_bytes // self.block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
                                           config.enable_prefix_caching)

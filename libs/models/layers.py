@@ -20,11 +20,12 @@ from deepinfer.kernels.attention import AttentionMetadata, paged_attention, stor
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can run from an MKL-packed copy of its weight (CPU, fp32).
+    """``nn.Linear`` that can run from a packed copy of its weight (CPU; fp32 or bf16).
 
-    ``pack()`` stores the weight in MKL's GEMM-ready layout
-    (``torch.ops.mkl._mkl_reorder_linear_weight``, the layout torch.compile's
-    CPU freezing uses). Packed GEMM is faster than ``F.linear`` for few rows
+    ``pack()`` stores the weight in a GEMM-ready layout, the one torch.compile's
+    CPU freezing uses: MKL's for fp32 (``torch.ops.mkl._mkl_reorder_linear_weight``),
+    oneDNN's for bf16 (``torch.ops.mkldnn._reorder_linear_weight``; AMX or
+    AVX512-BF16 kernels where the CPU has them). Packed GEMM is faster than ``F.linear`` for few rows
     (decode: it skips re-packing the weight on every call) and slower for
     prefill-sized M, so rows above ``packed_max_rows`` use ``F.linear``. Where
     the two cross depends on the CPU and the shape (``tune_packed_rows``
@@ -46,12 +47,24 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack(self) -> bool:
-        """Build the packed weight; False (and nothing changes) where MKL or fp32 is missing."""
+        """Build the packed weight; False (and nothing changes) where the weight is not on the CPU
+        or no packed GEMM exists for its dtype here (fp32 needs MKL; bf16 oneDNN with bf16 support)."""
         w = self.weight
-        if not torch.backends.mkl.is_available() or w.dtype != torch.float32 or w.device.type != "cpu":
+        if w.device.type != "cpu":
             return False
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), self.INVARIANT_MIN_ROWS)
-        return True
+        if w.dtype == torch.float32 and torch.backends.mkl.is_available():
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), self.INVARIANT_MIN_ROWS)
+            return True
+        if w.dtype == torch.bfloat16 and bf16_gemm_supported():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            return True
+        return False
+
+    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, in_features] (the weight's dtype) through the packed weight: [M, out_features]."""
+        if self.packed.dtype == torch.float32:
+            return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, self.bias, x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -65,11 +78,16 @@ class Linear(nn.Linear):
         # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
         if self.packed is None or (m > self.packed_max_rows and not self.batch_invariant):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight, self.bias, m)
+        return self.packed_forward(x)
 
 
-# (in_features, out_features, torch threads) -> measured ``Linear.packed_max_rows``, once per process
-_PACKED_ROWS: dict[tuple[int, int, int], int] = {}
+def bf16_gemm_supported() -> bool:
+    """Whether oneDNN can run bf16 GEMMs on this CPU (AVX512-BF16/AMX, or AVX512 emulating them)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# (in_features, out_features, dtype, torch threads) -> measured ``Linear.packed_max_rows``, once per process
+_PACKED_ROWS: dict[tuple, int] = {}
 TUNE_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 
 
@@ -78,7 +96,7 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
 
     Per weight shape (measured once per process and torch thread count): the M of ``grid``
     before the first at which ``F.linear`` beat the packed GEMM (best of 3 timed calls each on
-    random fp32 rows [M, in_features]), or the last M of the grid if it never did; 0 when it
+    random rows [M, in_features] in the weight's dtype), or the last M of the grid if it never did; 0 when it
     already did at the first. Returns (in_features, out_features) -> rows. Costs ~0.5 s for
     SmolLM2-135M's shapes on one thread.
 
@@ -93,7 +111,7 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
     for layer in layers:
         if layer.packed is None:
             continue
-        key = (layer.in_features, layer.out_features, threads)
+        key = (layer.in_features, layer.out_features, layer.weight.dtype, threads)
         if key not in _PACKED_ROWS:
             _PACKED_ROWS[key] = _measure_crossover(layer, grid)
         layer.packed_max_rows = out[key[:2]] = _PACKED_ROWS[key]
@@ -113,8 +131,8 @@ def _measure_crossover(layer: Linear, grid: tuple[int, ...]) -> int:
 
     rows = 0
     for m in grid:
-        x = torch.randn(m, layer.in_features)
-        packed = best(lambda: torch.ops.mkl._mkl_linear(x, layer.packed, layer.weight, layer.bias, m))
+        x = torch.randn(m, layer.in_features, dtype=layer.weight.dtype)
+        packed = best(lambda: layer.packed_forward(x))
         plain = best(lambda: F.linear(x, layer.weight, layer.bias))
         if plain < packed:
             break

@@ -1,0 +1,110 @@
+"""``--dtype auto``: the weights and KV cache dtype, chosen by timing this CPU's GEMMs.
+
+Whether bf16 beats fp32 is a property of the CPU, not of the model: on a CPU with
+AMX and AVX512-BF16 oneDNN's bf16 GEMM ran 2-10x faster than fp32 on
+SmolLM2-135M's shapes (even at 1 row: the LM head 2.2 against 7.1 ms), while a
+CPU without native bf16 emulates it and loses. So the engine times, at start-up,
+the linear layers of the model it is about to load (random weights of the same
+shapes, through the same ``Linear`` and packed GEMM the engine runs) in fp32 and
+in bf16, at a decode-sized, a verify-sized and a prefill-sized row count, and
+takes bf16 when it is faster overall. The choice and its figures are logged by
+the caller.
+
+Attention, norms and sampling follow the weights' dtype (logits are always fp32),
+so this also halves the KV cache's bytes per block; the storage tier's
+fingerprint includes the dtype, so a bf16 block is never read as fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.layers import Linear, bf16_gemm_supported
+
+PROBE_ROWS = (1, 16, 256)  # decode, a speculative verify step, a prefill chunk
+MAX_PROBE_OUT = 16384  # wider layers (the LM head) are timed at this width and scaled: bounds the memory
+
+# (in_features, out_features, how many the model has)
+Shape = tuple[int, int, int]
+
+
+@dataclass
+class DtypeChoice:
+    """dtype: "float32" or "bfloat16"; reason: one line for the log; seconds: per dtype, per
+    row count of ``PROBE_ROWS``, the model's linear layers' summed time (s); empty when
+    nothing was timed."""
+
+    dtype: str
+    reason: str
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def log_fields(self) -> dict:
+        return {"dtype": self.dtype, "reason": self.reason,
+                "probe_ms": {d: {m: round(s * 1e3, 3) for m, s in t.items()} for d, t in self.seconds.items()}}
+
+
+def linear_shapes(cfg: ModelConfig) -> list[Shape]:
+    """The dense linear layers of one forward pass: attention projections and MLP per layer, the LM head."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    return [(h, q, n), (h, kv, 2 * n), (q, h, n), (h, i, 2 * n), (i, h, n), (h, cfg.vocab_size, 1)]
+
+
+@torch.inference_mode()
+def time_linears(shapes: list[Shape], dtype: torch.dtype, rows: tuple[int, ...] = PROBE_ROWS) -> dict[int, float]:
+    """Seconds one pass of ``rows`` rows through every layer of ``shapes`` takes in ``dtype``
+    (best of 3 per shape after a warm-up, times its count), per row count. Layers are packed
+    as the engine packs them (``Linear.pack``) and run with its default packed-rows cut."""
+    total = {m: 0.0 for m in rows}
+    for fan_in, fan_out, count in shapes:
+        width = min(fan_out, MAX_PROBE_OUT)
+        layer = Linear(fan_in, width, bias=False).to(dtype)
+        layer.pack()
+        for m in rows:
+            x = torch.randn(m, fan_in, dtype=dtype)
+            layer(x)
+            best = math.inf
+            for _ in range(3):
+                t = time.perf_counter()
+                layer(x)
+                best = min(best, time.perf_counter() - t)
+            total[m] += best * count * fan_out / width
+    return total
+
+
+def choose_dtype(cfg: ModelConfig, requested: str = "auto", batch_invariant: bool = False,
+                 bf16_supported: Callable[[], bool] | None = None,
+                 probe: Callable[[list[Shape], torch.dtype], dict[int, float]] | None = None) -> DtypeChoice:
+    """Resolve ``requested`` ("auto", "float32", "bfloat16" or "float16") for a model of config ``cfg``.
+
+    An explicit dtype is kept. "auto" is "float32" when oneDNN has no bf16 GEMM here or in
+    batch-invariant mode (its bitwise guarantees are measured on fp32's packed GEMM), else
+    "bfloat16" when bf16's summed time over ``PROBE_ROWS`` is below fp32's by the geometric mean
+    of the per-row-count ratios, else "float32". ``probe`` (default ``time_linears``) and
+    ``bf16_supported`` (default ``bf16_gemm_supported``) let tests fake a CPU. Raises ValueError
+    for an unknown dtype name.
+    """
+    bf16_supported = bf16_supported or bf16_gemm_supported
+    probe = probe or time_linears
+    if requested != "auto":
+        if requested not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {requested!r}")
+        return DtypeChoice(requested, "asked for")
+    if batch_invariant:
+        return DtypeChoice("float32", "batch-invariant mode runs fp32")
+    if not bf16_supported():
+        return DtypeChoice("float32", "no bf16 GEMM on this CPU (oneDNN)")
+    shapes = linear_shapes(cfg)
+    seconds = {"float32": probe(shapes, torch.float32), "bfloat16": probe(shapes, torch.bfloat16)}
+    ratios = {m: seconds["bfloat16"][m] / seconds["float32"][m] for m in seconds["float32"]}
+    mean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
+    per_rows = ", ".join(f"{m} rows {r:.2f}x" for m, r in ratios.items())
+    dtype = "bfloat16" if mean < 1.0 else "float32"
+    return DtypeChoice(dtype, f"bf16/fp32 GEMM time on the model's shapes: {per_rows} (geomean {mean:.2f})",
+                       seconds)
