@@ -1,9 +1,10 @@
 """Engine throughput and TTFT vs ``transformers.generate``, plus the chunk budget's cost model.
 
-In one run, on the same prompts (SmolLM2-135M-Instruct, fp32, greedy,
-``ignore_eos``, fixed output length):
+In one run, on the same prompts (SmolLM2-135M-Instruct, greedy, ``ignore_eos``,
+fixed output length), for each ``--dtypes`` (default fp32 and ``auto``, the dtype
+the engine chooses on this CPU: ``engine.dtype_choice``):
 
-1. Our engine (in-process, no mesh) at 1, 4, 16 and 64 concurrent requests:
+1. Our engine (in-process, no mesh) at 1, 16 and 64 concurrent requests:
    output tokens/s, TTFT (first token of each request, from when all were
    queued), and the mean gap between steps (time the forward thread waits
    between the end of one step's forward + sampling and the start of the next
@@ -11,13 +12,13 @@ In one run, on the same prompts (SmolLM2-135M-Instruct, fp32, greedy,
    outputs between forward passes) and once with async scheduling (step t+1
    scheduled and prepared while step t runs).
 2. ``transformers.generate`` on the same prompts at the same batch sizes
-   (left-padded batch): output tokens/s.
+   (left-padded batch), in the same dtype: output tokens/s.
 3. The step cost model (TECHNIQUES §3): coefficients after start-up
    calibration, then predicted vs measured step time on chunked prefills of a
    long prompt at a 500 ms budget (on this 2-core CPU a step's fixed cost is
    already ~100 ms, so smaller budgets leave only minimum chunks).
 
-    python benchmarks/bench_engine.py [--max-tokens 64] [--batches 1 4 16 64] [--skip-hf]
+    python benchmarks/bench_engine.py [--max-tokens 64] [--batches 1 16 64] [--dtypes float32 auto] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -72,10 +73,13 @@ def run_hf(model, tok, prompts, max_tokens):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"],
+                    help="engine dtypes (auto: what the engine chooses on this CPU; transformers runs the same)")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
 
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
@@ -84,40 +88,52 @@ def main():
 
     model_dir = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 << 30, calibrate=True, step_time_budget_s=None,
-                                               enable_prefix_caching=False))
-    print(f"engine start-up incl. calibration: {time.perf_counter() - t0:.1f} s")
-    cm = engine.cost_model
-    print(f"cost model after calibration: a={cm.a * 1e3:.2f} ms, b={cm.b * 1e6:.1f} us/token, "
-          f"d={cm.d * 1e9:.2f} ns/token-pair, e={cm.e * 1e6:.2f} us/key gathered")
-
-    rows = []
-    run_engine(engine, prompt_ids(tok, 2), 4, False)  # warm-up
-    for b in args.batches:
-        for overlapped in (False, True):
-            name = "deepinfer async" if overlapped else "deepinfer sync"
-            rows.append((name, b, run_engine(engine, prompt_ids(tok, b), args.max_tokens, overlapped)))
-    if not args.skip_hf:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows, engine = [], None
+    for dtype in args.dtypes:
+        t0 = time.perf_counter()
+        engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 << 30, calibrate=True, step_time_budget_s=None,
+                                                   enable_prefix_caching=False, dtype=dtype))
+        chosen = engine.config.dtype
+        print(f"engine --dtype {dtype} -> {chosen} ({engine.dtype_choice.reason}); start-up incl. calibration: "
+              f"{time.perf_counter() - t0:.1f} s")
+        cm = engine.cost_model
+        print(f"  cost model after calibration: a={cm.a * 1e3:.2f} ms, b={cm.b * 1e6:.1f} us/token, "
+              f"d={cm.d * 1e9:.2f} ns/token-pair, e={cm.e * 1e6:.2f} us/key gathered")
+        run_engine(engine, prompt_ids(tok, 2), 4, False)  # warm-up
         for b in args.batches:
-            rows.append(("transformers", b, run_hf(hf, tok, prompt_ids(tok, b), args.max_tokens)))
+            for overlapped in (False, True):
+                name = f"deepinfer {'async' if overlapped else 'sync'} {chosen}"
+                rows.append((name, b, run_engine(engine, prompt_ids(tok, b), args.max_tokens, overlapped)))
+        if not args.skip_hf:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, chosen)).eval()
+            for b in args.batches:
+                rows.append((f"transformers {chosen}", b, run_hf(hf, tok, prompt_ids(tok, b), args.max_tokens)))
+            del hf
 
-    print(f"\nSmolLM2-135M-Instruct fp32, greedy, {args.max_tokens} output tokens per request\n")
-    print(f"{'engine':<17}{'batch':>6}{'out tok/s':>11}{'TTFT p50 ms':>13}{'step gap ms':>13}{'wall s':>9}")
+    print(f"\nSmolLM2-135M-Instruct, greedy, {args.max_tokens} output tokens per request\n")
+    print(f"{'engine':<28}{'batch':>6}{'out tok/s':>11}{'TTFT p50 ms':>13}{'step gap ms':>13}{'wall s':>9}")
     for name, b, r in rows:
-        print(f"{name:<17}{b:>6}{r['tok_s']:>11.1f}{r.get('ttft_ms', float('nan')):>13.0f}"
+        print(f"{name:<28}{b:>6}{r['tok_s']:>11.1f}{r.get('ttft_ms', float('nan')):>13.0f}"
               f"{r.get('gap_ms', float('nan')):>13.2f}{r['wall_s']:>9.1f}")
-    if not args.skip_hf:
-        print()
-        for b in args.batches:
-            ours = next(r for n, bb, r in rows if n == "deepinfer async" and bb == b)
-            ref = next(r for n, bb, r in rows if n == "transformers" and bb == b)
-            print(f"batch {b:>3}: deepinfer (async) / transformers throughput = {ours['tok_s'] / ref['tok_s']:.2f}x")
+    print()
+    dtypes = sorted({n.rsplit(" ", 1)[1] for n, _, _ in rows}, reverse=True)
+    for b in args.batches:
+        tput = {n: r["tok_s"] for n, bb, r in rows if bb == b}
+        line = [f"batch {b:>3}:"]
+        for d in dtypes:
+            ours = tput.get(f"deepinfer async {d}")
+            ref = tput.get(f"transformers {d}")
+            if ours and ref:
+                line.append(f"deepinfer/transformers {d} {ours / ref:.2f}x")
+        if len(dtypes) > 1 and all(tput.get(f"deepinfer async {d}") for d in dtypes):
+            line.append(f"deepinfer {dtypes[1]}/{dtypes[0]} {tput[f'deepinfer async {dtypes[1]}'] / tput[f'deepinfer async {dtypes[0]}']:.2f}x")
+        print("  ".join(line))
 
     # predicted vs measured step time of budget-cut chunks
+    cm = engine.cost_model  # (the last dtype's)
     chunked = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1 << 30, step_time_budget_s=0.5,
-                                                max_num_batched_tokens=8192, enable_prefix_caching=False))
+                                                max_num_batched_tokens=8192, enable_prefix_caching=False,
+                                                dtype=engine.config.dtype))
     chunked.cost_model = engine.cost_model
     chunked.scheduler.cost_model = engine.cost_model
     cm.errors.clear()

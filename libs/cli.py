@@ -23,7 +23,11 @@ import signal
 import sys
 import time
 
-SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
+SERVICES = ("gateway", "tokenizer", "prefill", "decode", "worker", "vision", "kvindex", "balancer")
+# another name of a service: an aggregated-serving worker is a decode worker (it prefills what it gets)
+ALIASES = {"worker": "decode"}
+# the serving mode `deepinfer up` starts by default (docs/benchmarks.md: the faster one on a small machine)
+DEFAULT_MODE = "agg"
 # Services whose module does not exist yet, and the issue that adds it.
 PLANNED: dict[str, int] = {}
 # Services a mesh runs only for some models: vision workers for vision-language models (config.json
@@ -39,6 +43,7 @@ def _say(msg: str) -> None:
 
 
 def cmd_serve(service: str, argv: list[str]) -> int:
+    service = ALIASES.get(service, service)
     module_name = f"deepinfer.{service}.service"
     try:
         module = importlib.import_module(module_name)
@@ -80,9 +85,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     port = args.port
     if port is None:
         port = 8000 if port_is_free(8000) else free_port()
-    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.decode}
+    agg = args.mode == "agg"
+    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.workers if agg else args.decode}
     extra = {"decode": ["--speculative", args.speculative]} if args.speculative != "none" else {}
-    mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra)
+    mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra,
+                mode=args.mode)
+    _say(f"serving mode: {args.mode} (" + ("workers that prefill and decode, `deepinfer serve worker`"
+                                             if agg else "prefill workers hand off to decode workers") + ")")
 
     def on_signal(signum, _frame):
         raise _Stop(signal.Signals(signum).name)
@@ -100,8 +109,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"  mesh:  NATS {mesh.nats_url}, Redis {mesh.redis_url}, storage tier {mesh.kv_root}\n"
             f"  workers: deepinfer status --nats {mesh.nats_url}\n"
             f"  scale: DEEPINFER_NATS_URL={mesh.nats_url} DEEPINFER_REDIS_URL={mesh.redis_url} "
-            f"DEEPINFER_KV_ROOT={mesh.kv_root} DEEPINFER_MODEL={mesh.model_dir} deepinfer serve prefill "
-            f"--worker-id prefill-extra\n"
+            f"DEEPINFER_KV_ROOT={mesh.kv_root} DEEPINFER_MODEL={mesh.model_dir} deepinfer serve "
+            f"{'worker --worker-id worker-extra' if agg else 'prefill --worker-id prefill-extra'}\n"
             f"  metrics: {url}/metrics (gateway); workers: "
             f"{', '.join(f'{w} :{p}' for w, p in mesh.metrics_ports.items()) or 'none'}\n"
             f"  try:   curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -167,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=None, help="gateway port (default 8000 when free, else any free port)")
     up.add_argument("--tokenizer", type=_positive, default=1, help="tokenizer workers")
     up.add_argument("--prefill", type=_positive, default=1, help="prefill workers")
-    up.add_argument("--decode", type=_positive, default=1, help="decode workers")
+    up.add_argument("--decode", type=_positive, default=1, help="decode workers (--mode disagg)")
+    up.add_argument("--mode", choices=["agg", "disagg"], default=DEFAULT_MODE,
+                    help="agg: workers that prefill and decode their requests (one engine, prefill chunks "
+                         "mixed into decode steps); disagg: prefill workers hand off to decode workers "
+                         f"(default {DEFAULT_MODE})")
+    up.add_argument("--workers", type=_positive, default=1, help="prefill-and-decode workers (--mode agg)")
     up.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
                     help="speculative decoding on the decode workers (default none; see `deepinfer serve decode -h`)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for the mesh to become healthy")

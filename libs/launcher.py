@@ -36,6 +36,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 # NOTE: the balancer (issue #7) idles unless MoE workers report expert load; it starts before
 # the workers so their first reports reach it.
 DEFAULT_SERVICES = ("tokenizer", "kvindex", "balancer", "prefill", "decode", "gateway")
+# aggregated serving: no prefill workers; each request goes to one decode worker, which prefills it too
+AGG_SERVICES = ("tokenizer", "kvindex", "balancer", "decode", "gateway")
+MODES = ("agg", "disagg")
 
 
 class LauncherError(RuntimeError):
@@ -400,6 +403,9 @@ class Mesh:
     after ``stop``; a workdir passed in is never deleted.
     ``command``: how a service is run, followed by ``serve <service> ...``
     (tests replace it with a stand-in).
+    ``mode``: "disagg" (prefill and decode workers) or "agg" (aggregated serving: decode workers
+    that prefill their requests too, the gateway's ``--mode agg``; the default services then
+    leave out prefill).
     ``metrics``: give every worker but the gateway a free port for its Prometheus
     ``/metrics`` (``--metrics-port``, unless its arguments name one); ``metrics_ports``
     maps worker ids to them, ``metrics_urls`` every process's /metrics, the gateway's too.
@@ -418,7 +424,13 @@ class Mesh:
         env: dict[str, str] | None = None,
         keep_workdir: bool = False,
         metrics: bool = True,
+        mode: str = "disagg",
     ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.mode = mode
+        if mode == "agg" and tuple(services) == DEFAULT_SERVICES:
+            services = AGG_SERVICES
         self.model = model
         self.workdir: Path | None = Path(workdir) if workdir is not None else None
         self._own_workdir = workdir is None
@@ -518,9 +530,9 @@ class Mesh:
                 say("resolving model...")
             self.model_dir = resolve_model(self.model)
             say(f"model: {self.model_dir}")
-            if self.services == DEFAULT_SERVICES and is_multimodal(self.model_dir):
+            if self.services in (DEFAULT_SERVICES, AGG_SERVICES) and is_multimodal(self.model_dir):
                 # a vision-language model: vision workers encode the images (before the gateway starts)
-                self.services = (*DEFAULT_SERVICES[:-1], "vision", DEFAULT_SERVICES[-1])
+                self.services = (*self.services[:-1], "vision", self.services[-1])
 
             say("starting nats-server...")
             self.nats = start_nats(self.workdir)
@@ -557,7 +569,7 @@ class Mesh:
         worker_id = f"{service}-{i}"
         argv = [*self.command, "serve", service, "--worker-id", worker_id]
         if service == "gateway":
-            argv += ["--host", "127.0.0.1", "--port", str(self.gateway_port)]
+            argv += ["--host", "127.0.0.1", "--port", str(self.gateway_port), "--mode", self.mode]
         argv += self.extra_args.get(service, [])
         argv += list(extra)
         if service != "gateway" and self.metrics:

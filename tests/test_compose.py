@@ -458,6 +458,7 @@ def check_commands(compose: dict, dockerfile: str) -> list[str]:
     from deepinfer import cli
 
     for service in cli.SERVICES:  # every implemented service runs (a planned one cannot; vision: VLMs only)
+        service = cli.ALIASES.get(service, service)  # (``worker`` is the decode service)
         if service not in cli.PLANNED and service not in cli.MULTIMODAL_ONLY and service not in served:
             problems.append(f"no compose service runs `deepinfer serve {service}`")
     return problems

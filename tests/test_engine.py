@@ -89,8 +89,9 @@ def test_preemption_under_tiny_kv_cache_keeps_outputs_exact(model_dir, prompts):
 
 
 def test_preemption_under_async_scheduling_keeps_outputs_exact(model_dir, prompts):
-    """With a step in flight nothing is preempted; the engine waits for it, then preempts."""
-    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    """With a step in flight nothing is preempted; the engine waits for it, then preempts.
+    (40 tokens each: the prompts share their first blocks, which the second one waits for and hits.)"""
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     expected = run(LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20)),
                    [(str(i), p, sp) for i, p in enumerate(prompts[:2])])
     tight = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=LLMEngine(model_dir).block_bytes * 6))
@@ -106,7 +107,8 @@ def test_async_scheduling_matches_sync_and_transformers(model_dir, hf, prompts):
     _, tok = hf
     reqs = [(str(i), p, SamplingParams(temperature=0.0, max_tokens=n))
             for i, (p, n) in enumerate(zip(prompts + [prompts[2][:-3] + [28, 2]], [3, 24, 9, 17]))]
-    cfg = dict(kv_cache_bytes=64 << 20, max_num_batched_tokens=40)
+    # (16 tokens a step: chunks enough for 20+ steps, the prompts' shared system prompt computed once)
+    cfg = dict(kv_cache_bytes=64 << 20, max_num_batched_tokens=16)
     sync = LLMEngine(model_dir, EngineConfig(**cfg))
     expected = run(sync, reqs)
     engine = LLMEngine(model_dir, EngineConfig(**cfg))
@@ -367,3 +369,27 @@ def test_batch_invariant_linear_rows_match_for_any_batch_size():
     alone = layer(x[:1])
     for m in (2, 15, 16, 100, 128, 129, 150, 192, 193, 300):
         assert torch.equal(layer(x[:m])[:1], alone), m
+
+
+def test_simultaneous_requests_with_one_cold_prefix_compute_it_once(model_dir, hf):
+    """In-flight prefix sharing: 16 requests that arrive together with the same cold ~21-block
+    prefix compute it once (the engine's computed-token counter), and each answers as alone."""
+    _, tok = hf
+    system = "You are a careful assistant. " + "Facts: the sky is blue, grass is green. " * 30
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system},
+                                        {"role": "user", "content": f"Question {i}: what colour is item {i}?"}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+               for i in range(16)]
+    shared = next(i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1)
+    assert shared >= 20 * 16
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=128 << 20, step_time_budget_s=0.3))
+    out = run(engine, [(str(i), p, sp) for i, p in enumerate(prompts)])
+    prefix_blocks = shared // 16
+    unshared = sum(len(p) - prefix_blocks * 16 for p in prompts)
+    # the prefix once, every prompt's rest, and the 3 decode tokens of each
+    assert engine.num_computed_tokens_total == prefix_blocks * 16 + unshared + 16 * 3
+    assert engine.block_manager.num_hit_tokens == 15 * prefix_blocks * 16
+    alone = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
+    for i in (0, 7, 15):
+        assert out[str(i)] == run(alone, [("x", prompts[i], sp)])["x"], f"prompt {i}"

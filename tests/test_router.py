@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.bench.metrics import percentile
 from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
-from deepinfer.gateway.dispatch import submit_prefill
+from deepinfer.gateway.dispatch import submit_prompt
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.router import PromptShape, Router, RouterConfig
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
@@ -422,7 +422,7 @@ async def test_submit_falls_back_from_the_chosen_workers_to_the_queue_group():
     mesh = FakeMesh({subjects.prefill_submit("a"): NoResponders("gone"),
                      subjects.prefill_submit("b"): SubmitReply(False, "b", "draining"),
                      subjects.PREFILL_SUBMIT: SubmitReply(True, "c")})
-    reply = await submit_prefill(mesh, _req(), plan, timeout_s=5)
+    reply = await submit_prompt(mesh, _req(), plan, timeout_s=5)
     assert reply.accepted and reply.worker_id == "c"
     assert mesh.calls == [subjects.prefill_submit("a"), subjects.prefill_submit("b"), subjects.PREFILL_SUBMIT]
     assert router.sent_counts() == {"c": 1}
@@ -433,7 +433,7 @@ async def test_a_chosen_worker_that_does_not_answer_is_aborted_before_the_next_i
     plan = router.plan("r", PromptShape(num_tokens=3))
     mesh = FakeMesh({subjects.prefill_submit("a"): RequestTimeout("slow"),
                      subjects.prefill_submit("b"): SubmitReply(True, "b")})
-    reply = await submit_prefill(mesh, _req(), plan, timeout_s=5)
+    reply = await submit_prompt(mesh, _req(), plan, timeout_s=5)
     assert reply.worker_id == "b"
     assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r", attempt=1))]  # that attempt only
 
@@ -481,10 +481,10 @@ async def test_a_bad_request_is_not_retried_and_no_plan_means_the_queue_group():
     plan = router.plan("r", PromptShape(num_tokens=3))
     mesh = FakeMesh({subjects.prefill_submit("a"): RemoteError("prompt too long", "bad_request")})
     with pytest.raises(RemoteError):
-        await submit_prefill(mesh, _req(), plan, timeout_s=5)
+        await submit_prompt(mesh, _req(), plan, timeout_s=5)
     assert len(mesh.calls) == 1
     plain = FakeMesh({subjects.PREFILL_SUBMIT: SubmitReply(True, "x")})
-    assert (await submit_prefill(plain, _req(), None, timeout_s=5)).worker_id == "x"
+    assert (await submit_prompt(plain, _req(), None, timeout_s=5)).worker_id == "x"
     assert plain.calls == [subjects.PREFILL_SUBMIT]
 
 

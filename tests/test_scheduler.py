@@ -14,8 +14,8 @@ def make(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, max_len=100, tim
     return bm, Scheduler(bm, max_num_seqs, budget, max_len, [EOS], cost, time_budget, min_chunk=block_size)
 
 
-def seq(rid, n, max_tokens=10, **kw):
-    return Sequence(rid, list(range(10, 10 + n)), n, SamplingParams(temperature=0, max_tokens=max_tokens, **kw))
+def seq(rid, n, max_tokens=10, first=10, **kw):
+    return Sequence(rid, list(range(first, first + n)), n, SamplingParams(temperature=0, max_tokens=max_tokens, **kw))
 
 
 def test_prefill_then_decode_allocates_blocks_as_sequences_grow():
@@ -51,7 +51,7 @@ def test_stop_token_ids_finish_with_stop():
 
 def test_token_budget_chunks_prefills():
     _, s = make(budget=8)
-    a, b = seq("a", 6), seq("b", 6)
+    a, b = seq("a", 6), seq("b", 6, first=30)  # (other prompts: an identical one would wait for a's blocks)
     s.add(a), s.add(b)
     assert s.schedule() == [a, b]
     assert (a.num_scheduled_tokens, b.num_scheduled_tokens) == (6, 2)
@@ -173,3 +173,39 @@ def test_chunk_time_is_floored_at_the_fixed_step_cost():
     s.postprocess([long], {})
     s.schedule()
     assert long.num_scheduled_tokens == 240
+
+
+def test_a_prefix_being_computed_is_waited_for_then_hit_not_computed_twice():
+    """In-flight prefix sharing: b and c share a's first 3 blocks and arrive with it; d does not.
+    b and c wait while a computes those blocks (d goes ahead), then hit them."""
+    bm, s = make(num_blocks=32, budget=64)
+    prefix = list(range(100, 112))  # 3 blocks of 4
+    a, b, c = (Sequence(r, prefix + [200 + i, 201 + i], 14, SamplingParams(temperature=0, max_tokens=3))
+               for i, r in enumerate("abc"))
+    d = seq("d", 6, first=50)
+    for x in (a, b, c, d):
+        s.add(x)
+    assert s.schedule() == [a, d]  # b, c keep their place in the queue
+    assert list(s.waiting) == [b, c] and s.num_deferred == 2
+    s.postprocess([a, d], {0: 7, 1: 8})
+    assert s.schedule() == [a, d, b, c]  # a's blocks are computed now: b and c hit them
+    assert b.num_cached_tokens == c.num_cached_tokens == 12
+    assert b.num_scheduled_tokens == c.num_scheduled_tokens == 2
+
+
+def test_prefill_chunks_of_a_shared_prefix_are_waited_for_chunk_by_chunk():
+    """With a step budget that cuts a's prompt into chunks, b follows a block by block: it is
+    admitted once the block after its cached part is not in flight any more (never computes a
+    block a computes)."""
+    bm, s = make(num_blocks=32, budget=8)
+    prefix = list(range(100, 116))  # 4 blocks
+    a = Sequence("a", prefix + [1], 17, SamplingParams(temperature=0, max_tokens=2))
+    b = Sequence("b", prefix + [2], 17, SamplingParams(temperature=0, max_tokens=2))
+    s.add(a), s.add(b)
+    fed = {"a": 0, "b": 0}
+    while a.num_computed_tokens < 17 or b.num_computed_tokens < 17:
+        step = s.schedule()
+        for x in step:
+            fed[x.request_id] += x.num_scheduled_tokens
+        s.postprocess(step, {i: 9 for i, x in enumerate(step) if x.num_computed_tokens + x.num_scheduled_tokens >= len(x)})
+    assert fed == {"a": 17, "b": 1} and b.num_cached_tokens == 16

@@ -130,6 +130,7 @@ class StepOutput:
     num_prompt_tokens: int
     kv_blocks: torch.Tensor | None = None
     num_kv_tokens: int = 0
+    kv_first_block: int = 0  # ``add_request(export_prompt=True)``: the prompt block ``kv_blocks[0]`` is
     num_cached_tokens: int = 0
     logprobs: list | None = None  # [TokenLogprobs] per new token, when the request asked
     # how the prompt's cached prefix was reused (``Sequence.prefix_path``) and prefix tokens replayed
@@ -274,7 +275,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     output_token_ids: list[int] = (), kv_blocks: torch.Tensor | None = None,
                     num_kv_tokens: int = 0, cache_salt: str | None = None,
-                    num_exact_tokens: int | None = None, images=(), image_embeds=None) -> None:
+                    num_exact_tokens: int | None = None, images=(), image_embeds=None,
+                    export_prompt: bool = False) -> None:
         """Queue a request. With ``kv_blocks`` covering the first ``num_kv_tokens`` tokens
         (must be all tokens but the last), it joins the running batch without a prefill;
         ``num_exact_tokens``: how many of them hold a cold run's KV (None = all; fewer after
@@ -282,6 +284,9 @@ class LLMEngine:
         images: ``(offset, length, content hash)`` of each image's placeholder run (hashed into
         the blocks it overlaps); image_embeds: each image's embeddings [length, hidden], fed for
         its placeholder rows (None: only hashed; recomputing those rows then fails the request).
+        export_prompt: with the first token sampled here, the output carries the prompt's full,
+        exact blocks this engine computed (``StepOutput.kv_blocks`` from ``kv_first_block``;
+        not those hit in the prefix cache), for the storage tier.
 
         Raises RequestError for an empty or too-long prompt, a bad ``swa_replay``, an unsupported
         ``structured`` spec or inconsistent KV. A structured request's matcher consumes
@@ -290,7 +295,7 @@ class LLMEngine:
         self.check_request(prompt_token_ids, output_token_ids, sampling)
         tokens = list(prompt_token_ids) + list(output_token_ids)
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
-                       cache_salt=(cache_salt or "").encode())
+                       cache_salt=(cache_salt or "").encode(), export_prompt=export_prompt and kv_blocks is None)
         if images:
             seq.images = [(int(o), int(n), str(h)) for o, n, h in images]
             if any(o < 0 or o + n > len(prompt_token_ids) for o, n, _ in seq.images):
@@ -647,6 +652,8 @@ class LLMEngine:
                 if id(seq) in finished and seq.prefill_only:
                     out.chunk_times = seq.chunk_times
                     self._export_kv(seq, out)
+                elif seq.export_prompt:
+                    self._export_prompt(seq, out)
                 outputs.append(out)
             if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
                 self._save_window_state(seq)
@@ -695,6 +702,20 @@ class LLMEngine:
         out.num_exact_blocks = exact
         if self.kv_layout.hybrid:
             out.first_window_block = next((i for i, b in enumerate(seq.window_block_table[:n]) if b != -1), n)
+
+    def _export_prompt(self, seq: Sequence, out: StepOutput) -> None:
+        """``add_request(export_prompt=True)``: the prompt's full, exact blocks past its cached
+        prefix into ``out`` (``kv_blocks`` [n, num_layers, 2, block_size, kv_heads, head_dim],
+        the first of them block ``kv_first_block`` of the prompt), once."""
+        seq.export_prompt = False
+        bs = self.config.block_size
+        exact = seq.num_prompt_tokens if seq.num_exact_tokens is None else min(seq.num_prompt_tokens,
+                                                                               seq.num_exact_tokens)
+        first, n = seq.num_cached_tokens // bs, exact // bs
+        if first < n:
+            out.kv_blocks = self.runner.read_blocks(seq, n, start=first)
+            out.kv_first_block = first
+            out.num_exact_blocks = n - first
 
     # --- cost model ---------------------------------------------------------------
     def calibrate(self) -> None:

@@ -206,9 +206,9 @@ class MockRunner:
     def run(self, seqs: list[Sequence]) -> list[int]:
         return self.execute(self.prepare(seqs))
 
-    def read_blocks(self, seq: Sequence, n: int) -> torch.Tensor:
-        """The sequence's first ``n`` blocks: [n, 1, 2, block_size, 1, 1] (``ModelRunner.read_blocks``' layout)."""
-        return self.kv_cache[:, :, seq.block_table[:n]].permute(2, 0, 1, 3, 4, 5).contiguous()
+    def read_blocks(self, seq: Sequence, n: int, start: int = 0) -> torch.Tensor:
+        """The sequence's blocks ``start .. n-1``: [n - start, 1, 2, block_size, 1, 1] (``ModelRunner.read_blocks``' layout)."""
+        return self.kv_cache[:, :, seq.block_table[start:n]].permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def write_blocks(self, seq: Sequence, blocks: torch.Tensor) -> None:
         """Copy blocks in (``read_blocks``' layout) to the sequence's first ``len(blocks)`` blocks."""

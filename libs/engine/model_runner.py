@@ -188,16 +188,16 @@ class ModelRunner:
         """``prepare`` + ``execute`` for sequences without in-flight tokens: [B, V] float32."""
         return self.execute(self.prepare(seqs))
 
-    def read_blocks(self, seq: Sequence, n: int) -> torch.Tensor:
-        """Copy the sequence's first ``n`` blocks out:
-        [n, num_layers, 2, block_size, num_kv_heads, head_dim] (released window blocks: zeros)."""
-        full = self.kv_cache[:, :, seq.block_table[:n]]  # [Lf, 2, n, ...]
+    def read_blocks(self, seq: Sequence, n: int, start: int = 0) -> torch.Tensor:
+        """Copy the sequence's blocks ``start .. n-1`` out:
+        [n - start, num_layers, 2, block_size, num_kv_heads, head_dim] (released window blocks: zeros)."""
+        full = self.kv_cache[:, :, seq.block_table[start:n]]  # [Lf, 2, n - start, ...]
         if not self.hybrid:
             return full.permute(2, 0, 1, 3, 4, 5).contiguous()
         c = self.kv_cache
-        out = c.new_zeros(n, len(self.full_layers) + len(self.window_layers), 2, *c.shape[3:])
+        out = c.new_zeros(n - start, len(self.full_layers) + len(self.window_layers), 2, *c.shape[3:])
         out[:, self.full_layers] = full.permute(2, 0, 1, 3, 4, 5)
-        kept = [(i, b) for i, b in enumerate(seq.window_block_table[:n]) if b != NULL_BLOCK]
+        kept = [(i, b) for i, b in enumerate(seq.window_block_table[start:n]) if b != NULL_BLOCK]
         if kept:
             rows, ids = zip(*kept)
             win = self.window_kv_cache[:, :, list(ids)].permute(2, 0, 1, 3, 4, 5)  # [k, Lw, 2, ...]

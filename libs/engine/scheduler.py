@@ -8,7 +8,11 @@ Two queues, ``waiting`` and ``running`` (vLLM v1's unified scheduler):
    ``max_num_seqs`` run: the longest cached prefix is taken from the block
    manager (those tokens are not recomputed; on hybrid sliding-window models a
    bounded replay may feed the prefix's last W tokens again, see
-   ``hybrid_blocks``) and the first chunk is cut.
+   ``hybrid_blocks``) and the first chunk is cut. A waiting sequence whose next
+   uncached prompt block is being computed by a running sequence (the same
+   prefix, arrived moments apart) stays waiting until that block is computed,
+   then hits it: a prefix shared by simultaneous requests is computed once
+   (in-flight prefix sharing).
 
 Budgets per step: ``max_num_batched_tokens`` new tokens (memory), and, for
 prefill chunks, ``step_time_budget_s`` of predicted compute from the
@@ -63,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_deferred = 0  # admissions put off to share a running prefill's blocks (counted per step)
         self.blocked = False  # the last schedule() stopped because it may not preempt
 
     def add(self, seq: Sequence) -> None:
@@ -73,13 +78,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # --- schedule ---------------------------------------------------------------
-    def _chunk(self, seq: Sequence, tokens_left: int, time_left: float | None, has_prefill: bool) -> int:
+    def _chunk(self, seq: Sequence, tokens_left: int, time_left: float | None, has_prefill: bool,
+               share: int) -> int:
         """New tokens to feed for ``seq`` this step (0 = none fit).
 
-        NOTE: while requests wait, a prefill already running takes at most half
+        NOTE: while requests wait (``share`` 2), a prefill already running takes at most half
         of the time (and tokens) left, so a long prompt cannot starve new ones.
         """
-        share = 2 if self.waiting else 1
         n = min(seq.num_new_tokens, max(1, tokens_left // share))
         if seq.num_new_tokens == 1 or time_left is None:
             return n
@@ -124,11 +129,14 @@ class Scheduler:
         has_prefill = False
         scheduled: list[Sequence] = []
 
+        inflight = self._inflight_blocks()
+        # requests waiting only for blocks a running prefill computes do not take its budget share
+        share = 2 if any(not self._waits_for(seq, inflight) for seq in self.waiting) else 1
         pending = deque(self.running)
         self.running.clear()
         while pending and tokens_left > 0:
             seq = pending.popleft()
-            n = 0 if self._ends_after_inflight(seq) else self._chunk(seq, tokens_left, time_left, has_prefill)
+            n = 0 if self._ends_after_inflight(seq) else self._chunk(seq, tokens_left, time_left, has_prefill, share)
             if n == 0:
                 self.running.append(seq)
                 continue
@@ -152,8 +160,13 @@ class Scheduler:
                 time_left -= self.cost_model.piece_cost(n, seq.num_computed_tokens)
         self.running.extend(pending)
 
+        deferred: list[Sequence] = []  # waiting for in-flight blocks: they keep their place in the queue
         while self.waiting and tokens_left > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for(seq, inflight):
+                deferred.append(self.waiting.popleft())
+                self.num_deferred += 1
+                continue
             hits = bm.find_cached_prefix(seq)
             cached = bm.prefix_start(seq, hits)  # hybrid models: a bounded replay starts before the hit's end
             n = min(len(seq) - cached, tokens_left)
@@ -172,7 +185,36 @@ class Scheduler:
             has_prefill |= n > 1
             if time_left is not None:
                 time_left -= self.cost_model.piece_cost(n, cached)
+            if bm.enable_prefix_caching:  # its prompt's blocks are in flight for those behind it now
+                inflight.update(bm.hashes(seq)[cached // bm.block_size : seq.num_prompt_tokens // bm.block_size])
+        self.waiting.extendleft(reversed(deferred))
         return scheduled
+
+    def _inflight_blocks(self) -> set[str]:
+        """Prefix hashes of the prompt blocks running sequences have yet to compute (this step's
+        chunks included: their blocks are hits from the next step on)."""
+        bm, out = self.block_manager, set()
+        if not bm.enable_prefix_caching:
+            return out
+        for seq in self.running:
+            start, end = seq.num_computed_tokens // bm.block_size, seq.num_prompt_tokens // bm.block_size
+            if start < end:
+                out.update(bm.hashes(seq)[start:end])
+        return out
+
+    def _waits_for(self, seq: Sequence, inflight: set[str]) -> bool:
+        """In-flight prefix sharing: whether the first block of ``seq``'s prompt that is not in the
+        prefix cache is one a running sequence is computing now. Admitting ``seq`` would compute
+        it a second time; left waiting, ``seq`` hits it (and what follows) once it is computed.
+        (The running sequence makes progress every step, so the wait ends; one that is
+        preempted leaves ``running`` and stops holding others back.)"""
+        if not inflight:
+            return False
+        bm = self.block_manager
+        for h in bm.hashes(seq)[: (len(seq) - 1) // bm.block_size]:
+            if h not in bm.cached:
+                return h in inflight
+        return False
 
     def _take(self, seq: Sequence, n: int, scheduled: list[Sequence]) -> None:
         seq.num_scheduled_tokens = n

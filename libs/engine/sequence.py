@@ -40,6 +40,9 @@ class Sequence:
     finish_reason: str | None = None
     # Prefill-only engines stop after the first sampled token and hand off.
     prefill_only: bool = False
+    # Export the prompt's computed full blocks with the first token sampled here (a worker that
+    # computed the prompt itself writes them to the storage tier); cleared once exported.
+    export_prompt: bool = False
     # Mixed into the first block's hash: tenants with different salts never share KV.
     cache_salt: bytes = b""
     # Full-block prefix hashes of token_ids, extended lazily by the block manager.

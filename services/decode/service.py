@@ -54,6 +54,7 @@ from opentelemetry.trace import StatusCode
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
+from deepinfer.kvstore import KVIndexClient, block_hashes
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.protocol import AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
@@ -76,6 +77,8 @@ class DecodeService(EngineWorker):
         self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # attempts aborted before arriving
         self.offsets: dict[str, int] = {}  # request id -> its output tokens streamed so far (``TokenChunk.offset``)
         self.start_engine()
+        self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
+        self._tasks: set[asyncio.Task] = set()  # prompt blocks being written to the storage tier
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
                                                      queue=subjects.DECODE_GROUP, span_name="decode.submit"))
@@ -94,17 +97,22 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
         self.requests[req.request_id] = req
-        with tracer().start_as_current_span("decode.load") as span:
-            if self.engine.engine_kind == "vllm":  # its connector loads the stored prefix (engine.vllm_connector)
-                kv, complete = None, False
-            else:
-                kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req)
-            span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
-                                 "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
-                                 "deepinfer.kv.complete": complete})
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-        whole = complete and req.num_kv_tokens == num_tokens - 1 and len(kv) * bs >= req.num_kv_tokens
+        handoff = req.num_kv_tokens == num_tokens - 1  # KV of every token but the last (else: a prefix)
+        vllm = self.engine.engine_kind == "vllm"  # its connector loads the stored prefix (engine.vllm_connector)
+        # a prefix: what this engine caches already is not read again
+        skip = 0 if handoff or vllm else self.engine.cached_prefix_blocks(req.kv_block_keys[: (num_tokens - 1) // bs])
+        with tracer().start_as_current_span("decode.load") as span:
+            if vllm:
+                kv, complete = None, False
+            else:
+                kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req, skip)
+            span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
+                                 "deepinfer.kv.cached_blocks": skip,
+                                 "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
+                                 "deepinfer.kv.complete": complete})
+        whole = complete and handoff and len(kv) * bs >= req.num_kv_tokens
         embeds = None  # a recompute of a prompt with images may reach image rows: their embeddings
         if req.images and not whole:
             embeds = await asyncio.get_running_loop().run_in_executor(self.io, self.read_embeddings, req)
@@ -117,13 +125,15 @@ class DecodeService(EngineWorker):
             if isinstance(embeds, str):
                 raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
-                await self.load_prefix(req, kv, num_tokens)
+                await self.load_prefix(req, kv, num_tokens, skip)
             self.offsets[req.request_id] = len(req.output_token_ids)  # before the engine's first output
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
                 num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
                 num_exact_tokens=req.num_exact_blocks * bs if whole and req.num_exact_blocks >= 0 else None,
+                # a prompt computed here (aggregated serving, a resume) goes to the storage tier too
+                export_prompt=not whole and not vllm,
                 **({"images": req.images, "image_embeds": embeds} if req.images else {}),
             )
         except RequestError as e:
@@ -170,10 +180,17 @@ class DecodeService(EngineWorker):
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
-                               offset=offset, attempt=req.attempt)
+                               offset=offset, attempt=req.attempt, num_cached_tokens=out.num_cached_tokens)
             if out.finish_reason == "error":
                 chunk.error = "decode engine failed"
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))
+            if out.kv_blocks is not None:  # the prompt, computed here: for reuse by any worker
+                task = asyncio.ensure_future(self.store_prompt(req, out))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def busy(self) -> bool:
+        return bool(self.requests or self._tasks)
 
     # --- helpers ---------------------------------------------------------------
     def end_span(self, request_id: str, out: StepOutput | None = None, error: str = "") -> None:
@@ -195,9 +212,42 @@ class DecodeService(EngineWorker):
             span.set_status(StatusCode.ERROR, error)
         span.end()
 
-    def load_blocks(self, req: DecodeRequest) -> tuple[torch.Tensor | None, bool]:
-        """Read the request's blocks in order up to the first missing, corrupt or
-        misshapen one; ephemeral blocks are deleted either way. Returns (blocks,
+    async def store_prompt(self, req: DecodeRequest, out: StepOutput) -> None:
+        """Write the prompt blocks this engine computed (``out.kv_blocks``, full layers' part) to the
+        storage tier under their prefix hashes, and announce them to the kvindex. Never raises:
+        the tier is an optimisation."""
+        try:
+            bs = self.engine.config.block_size
+            hashes = block_hashes(req.prompt_token_ids, bs, self.engine.fingerprint, (req.cache_salt or "").encode(),
+                                  [tuple(i) for i in req.images])
+            keys = hashes[out.kv_first_block : out.kv_first_block + out.num_exact_blocks]
+            stored = await asyncio.get_running_loop().run_in_executor(
+                self.io, self.write_blocks, keys, out.kv_blocks, req.traffic_class)
+            if stored:
+                part = self.engine.kv_layout.full_part(out.kv_blocks[0])
+                await self.index.publish_stored(stored, req.traffic_class, part.numel() * part.element_size(), bs)
+        except Exception as e:
+            log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
+
+    def write_blocks(self, keys: list[str], blocks: torch.Tensor, traffic_class: str) -> list[str]:
+        """Write ``blocks`` (their full layers' part) under ``keys`` unless there already (runs on
+        the I/O pool); returns the keys now in the tier. A failed write ends it (counted)."""
+        stored = []
+        for key, block in zip(keys, blocks):
+            try:
+                if not self.store.contains(key, traffic_class):
+                    self.store.put(key, self.engine.kv_layout.full_part(block), traffic_class,
+                                   num_tokens=self.engine.config.block_size)
+            except OSError as e:
+                self.store.stats.write_errors += 1
+                log.warning("kv_store_write_failed", key=key, error=str(e))
+                break
+            stored.append(key)
+        return stored
+
+    def load_blocks(self, req: DecodeRequest, start: int = 0) -> tuple[torch.Tensor | None, bool]:
+        """Read the request's blocks from ``start`` on, in order, up to the first missing, corrupt
+        or misshapen one; ephemeral blocks are deleted either way. Returns (blocks,
         complete): complete when every block (hybrid models: and the window part of
         each block that has one) was read; the blocks then hold every layer, else the
         full layers' part of the leading blocks read (None if none)."""
@@ -205,7 +255,7 @@ class DecodeService(EngineWorker):
         tail = (2, self.engine.config.block_size, cfg.num_key_value_heads, cfg.head_dim)
         window_keys = req.window_block_keys if layout.hybrid else []
         full, windows, ok = [], [], True
-        for i, key in enumerate(req.kv_block_keys):
+        for i, key in enumerate(req.kv_block_keys[start:], start):
             block = self.read_block(req, key, ok, (len(layout.full_layers), *tail))
             if ok and block is None:
                 log.warning("kv_block_miss", request_id=req.request_id, key=key)
@@ -241,17 +291,18 @@ class DecodeService(EngineWorker):
             log.warning("image_embeddings_unavailable", request_id=req.request_id, error=str(e))
             return str(e)
 
-    async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int) -> int:
-        """Put the leading full blocks of ``kv`` (keyed by their prefix hash) into the engine's
-        prefix cache, so recomputing the request computes only what they do not cover.
-        At least one token is left to compute. Returns the number of blocks inserted."""
+    async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int, start: int = 0) -> int:
+        """Put the leading full blocks of ``kv`` (the prompt's blocks from ``start`` on, keyed by their
+        prefix hash) into the engine's prefix cache, so recomputing the request computes only what
+        they do not cover. At least one token is left to compute. Returns the number of blocks inserted."""
         bs = self.engine.config.block_size
+        keys = req.kv_block_keys[start:]
         n = 0
-        while n < min(len(kv), (num_tokens - 1) // bs) and not is_ephemeral(req.kv_block_keys[n]):
+        while n < min(len(kv), (num_tokens - 1) // bs - start) and not is_ephemeral(keys[n]):
             n += 1  # (blocks past ``num_exact_blocks`` have ephemeral keys)
-        if not n:
+        if n <= 0:
             return 0
-        got = await self.async_engine.call(self.engine.load_prefix, req.kv_block_keys[:n], kv[:n])
+        got = await self.async_engine.call(self.engine.load_prefix, keys[:n], kv[:n])
         log.info("kv_prefix_loaded", request_id=req.request_id, blocks=got, tokens=num_tokens)
         return got
 

@@ -382,7 +382,7 @@ async def count_message_tokens(request: Request, gw: Gateway) -> Response:
     """``{"input_tokens": n}``: the prompt's tokens as /v1/messages would render it (no generation)."""
     req = parse_body(CountTokensRequest, await request.body(), _FIELDS)
     validate(req, gw)
-    check_workers(gw.registry)
+    check_workers(gw.registry, gw.required_roles)
     ids, _, _ = await encode_messages_images(gw, uuid.uuid4().hex, template_messages(req), template_tools(req),
                                              terms=ANTHROPIC)
     return JSONResponse({"input_tokens": len(ids)})
@@ -397,7 +397,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
-    check_workers(gw.registry)
+    check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await encode_messages_images(gw, request_id, template_messages(req),
                                                                      template_tools(req), terms=ANTHROPIC)

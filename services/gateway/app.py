@@ -27,7 +27,7 @@ from deepinfer.gateway.anthropic_api import CountTokensRequest, MessagesRequest
 from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
-from deepinfer.gateway.generate import REQUEST_SPAN, REQUIRED_ROLES, Gateway
+from deepinfer.gateway.generate import REQUEST_SPAN, Gateway
 from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers
@@ -98,7 +98,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     @app.get("/health")
     async def health():
         counts = gw.registry.counts()
-        ok = gw.mesh is not None and gw.mesh.nc.is_connected and all(counts.get(r) for r in REQUIRED_ROLES)
+        ok = gw.mesh is not None and gw.mesh.nc.is_connected and all(counts.get(r) for r in gw.required_roles)
         body = {"status": "ok" if ok else "unavailable", "workers": counts,
                 "kv_index": await _kv_index_health(gw) if gw.mesh is not None else None}
         return JSONResponse(body, status_code=200 if ok else 503)

@@ -97,7 +97,7 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
-    check_workers(gw.registry)
+    check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)

@@ -58,7 +58,7 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     structured = openai_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    check_workers(gw.registry)
+    check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids = await prompt_token_ids(req, gw)
     want_logprobs = req.logprobs is not None

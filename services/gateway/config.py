@@ -41,6 +41,9 @@ class GatewayConfig:
     max_body_bytes: int = 32 << 20  # larger request bodies get 413
     # Redis for stored responses (/v1/responses ``store`` / ``previous_response_id``); None = no storage
     redis_url: str | None = None
+    # "disagg": prefill workers compute prompts and hand off to decode workers; "agg" (aggregated):
+    # each request goes to one worker (the decode service) that prefills and decodes it
+    mode: str = "disagg"
     routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (router.py)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (admission.py)
     # images (vision-language models, images.py): the largest image accepted (data: URL after base64,

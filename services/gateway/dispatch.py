@@ -1,9 +1,10 @@
-"""Submitting a prefill to the router's choice, with fallbacks (issue #6, item 2).
+"""Submitting a request's prompt to the router's choice, with fallbacks.
 
-``submit_prefill`` sends the ``PrefillRequest`` to ``prefill_submit(worker)`` for each of the
-plan's first ``max_targeted`` candidates in turn (each given ``targeted_timeout_s``), and then,
-if none accepted, to the queue group ``deepinfer.prefill.submit`` (any worker) with what is left
-of the submit timeout:
+``submit_prompt`` sends the ``PrefillRequest`` (disaggregated serving; or, aggregated, a
+``DecodeRequest`` without KV to a worker that prefills and decodes, ``role`` "decode") to
+``<role>_submit(worker)`` for each of the plan's first ``max_targeted`` candidates in turn (each
+given ``targeted_timeout_s``), and then, if none accepted, to the role's queue group (any worker)
+with what is left of the submit timeout:
 
   accepted                       -> done (the router books it on the worker that accepted)
   refused / no responders /
@@ -26,14 +27,17 @@ import time
 
 from deepinfer.gateway.router import Plan
 from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
-from deepinfer.protocol import AbortRequest, PrefillRequest, ProtocolError, SubmitReply, subjects
+from deepinfer.protocol import AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, subjects
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
 
-async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | None, timeout_s: float) -> SubmitReply:
+async def submit_prompt(mesh: MeshClient, req: PrefillRequest | DecodeRequest, plan: Plan | None, timeout_s: float,
+                        role: str = "prefill") -> SubmitReply:
     deadline = time.monotonic() + timeout_s
+    targeted, group = ((subjects.prefill_submit, subjects.PREFILL_SUBMIT) if role == "prefill"
+                       else (subjects.decode_submit, subjects.DECODE_SUBMIT))
     router = plan.router if plan is not None else None
     if router is not None:
         cfg = router.config
@@ -44,7 +48,7 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
             worker = cand.worker_id
             req.attempt += 1
             try:
-                reply = await mesh.request(subjects.prefill_submit(worker), req,
+                reply = await mesh.request(targeted(worker), req,
                                            min(cfg.targeted_timeout_s, left - 0.5), expect=SubmitReply)
             except RemoteError as e:
                 if e.kind == "bad_request":
@@ -52,7 +56,7 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
                 why = f"error: {e}"
             except RequestTimeout:
                 # NOTE: this attempt only: the queue group below may pick the same (slow) worker
-                await mesh.publish(subjects.abort("prefill", worker), AbortRequest(req.request_id, req.attempt))
+                await mesh.publish(subjects.abort(role, worker), AbortRequest(req.request_id, req.attempt))
                 why = "no answer in time"
             except (NoResponders, ProtocolError) as e:
                 why = type(e).__name__
@@ -62,10 +66,10 @@ async def submit_prefill(mesh: MeshClient, req: PrefillRequest, plan: Plan | Non
                     return reply
                 why = f"refused: {reply.error}"
             router.failed(plan, worker)
-            log.info("prefill_target_fallback", request_id=req.request_id, worker=worker, reason=why)
+            log.info("prompt_target_fallback", request_id=req.request_id, role=role, worker=worker, reason=why)
     req.attempt += 1
     try:
-        reply = await mesh.request(subjects.PREFILL_SUBMIT, req, max(deadline - time.monotonic(), 0.5),
+        reply = await mesh.request(group, req, max(deadline - time.monotonic(), 0.5),
                                    expect=SubmitReply)
     except BaseException:
         if router is not None:

@@ -40,7 +40,8 @@ from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
-REQUIRED_ROLES = ("tokenizer", "prefill", "decode")
+# the roles that must have a live worker for requests to be served, by serving mode
+REQUIRED_ROLES = {"disagg": ("tokenizer", "prefill", "decode"), "agg": ("tokenizer", "decode")}
 # the HTTP request's server span (set by ``app.RootSpanMiddleware``): usage attributes go on it
 REQUEST_SPAN: contextvars.ContextVar[trace.Span | None] = contextvars.ContextVar("request_span", default=None)
 
@@ -65,6 +66,10 @@ class Gateway:
         if self.admission is None:
             self.admission = Admission(self.config.admission)
         self._kv_index = None
+
+    @property
+    def required_roles(self) -> tuple[str, ...]:
+        return REQUIRED_ROLES[self.config.mode]
 
     def kv_index(self):
         """The kvindex client for prefix lookups (None before the mesh is connected)."""
@@ -100,12 +105,13 @@ class Choice:
 
 
 
-def check_workers(registry: WorkerRegistry) -> None:
-    """503 at once when no tokenizer, prefill or decode worker is alive (once the registry has listened long enough)."""
+def check_workers(registry: WorkerRegistry, roles: tuple[str, ...] = REQUIRED_ROLES["disagg"]) -> None:
+    """503 at once when no worker of one of ``roles`` (``Gateway.required_roles``) is alive (once the
+    registry has listened long enough)."""
     if not registry.warm:
         return
     counts = registry.counts()
-    missing = [role for role in REQUIRED_ROLES if not counts.get(role)]
+    missing = [role for role in roles if not counts.get(role)]
     if missing:
         raise unavailable(f"no live {' / '.join(missing)} worker")
 
@@ -167,6 +173,8 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
     async def first(c: Choice, plan: Plan | None) -> None:
         try:
             c.first = await c.stream.next_chunk(is_disconnected)
+            while not c.first.token_ids and c.first.finish_reason is None:  # a worker announcing itself
+                c.first = await c.stream.next_chunk(is_disconnected)
             gateway_metrics.on_chunk(c, c.first)
         except BaseException:
             release([plan])
@@ -351,7 +359,7 @@ def new_choices(gw: "Gateway", request_id: str, n: int, stop: list[str], traffic
     return [
         Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
                                 gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt,
-                                images=images, embeddings_fingerprint=embeddings_fingerprint),
+                                images=images, embeddings_fingerprint=embeddings_fingerprint, mode=gw.config.mode),
                OutputProcessor(gw.model.tokenizer, stop), gateway=gw)
         for i in range(n)
     ]

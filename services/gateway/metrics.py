@@ -159,9 +159,7 @@ class GatewayCollector:
         yield rejected
         workers = GaugeMetricFamily("deepinfer_gateway_workers", "Live workers by role (heartbeats)",
                                     labels=["role"])
-        from deepinfer.gateway.generate import REQUIRED_ROLES  # (generate imports this module)
-
-        counts = {role: 0 for role in REQUIRED_ROLES}  # a required role with none alive reads 0, not absent
+        counts = {role: 0 for role in gw.required_roles}  # a required role with none alive reads 0, not absent
         counts.update(gw.registry.counts())
         for role, n in sorted(counts.items()):
             workers.add_metric([role], n)

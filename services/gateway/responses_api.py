@@ -427,7 +427,7 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     context = await previous_context(store, req.previous_response_id) if req.previous_response_id else []
     new_items = input_items(req)
     check_call_outputs(context + new_items)
-    check_workers(gw.registry)
+    check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await encode_messages_images(
         gw, request_id, template_messages(req.instructions, context + new_items, len(context)), template_tools(req),

@@ -36,7 +36,7 @@ never one beyond capacity (none fits: None, and prefill hands off to the queue g
 worker's scheduler makes the request wait).
 
 The router only ranks: ``admission`` filters and rejects, ``commit`` books the choice,
-``dispatch.submit_prefill`` tries the ranked workers and reports back ``accepted`` / ``failed``.
+``dispatch.submit_prompt`` tries the ranked workers and reports back ``accepted`` / ``failed``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class RouterConfig:
     max_targeted: chosen prefill workers tried in turn before the queue group.
     targeted_timeout_s: how long one targeted submit may take before the next is tried.
     report_margin_s: a request accepted this long before a worker's report is in that report
-    (work sent since a report is counted until then)."""
+    (work sent since a report is counted until then).
+    prefill_role: the workers that compute prompts: "prefill" (disaggregated serving), or
+    "decode" (aggregated: each worker prefills and decodes its requests; a plan's decode worker
+    is then its first candidate)."""
 
     prefill_policy: str = "predicted"
     kv_load_bytes_per_s: float = 2e9
@@ -80,10 +83,13 @@ class RouterConfig:
     max_targeted: int = 2
     targeted_timeout_s: float = 2.0
     report_margin_s: float = 0.1
+    prefill_role: str = "prefill"
 
     def __post_init__(self):
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill policy {self.prefill_policy!r}: expected one of {', '.join(PREFILL_POLICIES)}")
+        if self.prefill_role not in ("prefill", "decode"):
+            raise ValueError(f"prefill role {self.prefill_role!r}: expected prefill or decode")
 
 
 @dataclass
@@ -169,7 +175,7 @@ class Router:
     # --- the request ---------------------------------------------------------------------
     def hash_params(self) -> tuple[str, int] | None:
         """(fingerprint, block size) the live prefill workers hash prompts with, or None if unknown."""
-        for info in self._live("prefill"):
+        for info in self._live(self.config.prefill_role):
             if info.report.fingerprint and info.report.block_size > 0:
                 return info.report.fingerprint, info.report.block_size
         return None
@@ -194,7 +200,7 @@ class Router:
 
     def plan(self, request_id: str, shape: PromptShape) -> Plan:
         """Rank the live prefill workers for ``shape`` (no side effects but the round-robin turn)."""
-        workers = sorted(self._live("prefill"), key=lambda i: i.report.worker_id)
+        workers = sorted(self._live(self.config.prefill_role), key=lambda i: i.report.worker_id)
         turn, self._turn = self._turn, self._turn + 1
         ranked = []
         for pos, info in enumerate(workers):
@@ -233,6 +239,9 @@ class Router:
             self._book_prefill(plan, cand.worker_id, now)
             if ttft_slo_s is not None:
                 self._awaiting.setdefault(cand.worker_id, {})[plan.request_id] = plan.started_at + ttft_slo_s
+        if self.config.prefill_role == "decode":  # aggregated: the worker that prefills decodes too
+            plan.decode_worker = plan.candidates[0].worker_id if plan.candidates else None
+            return
         ttft = plan.predicted_ttft_s or 0.0
         plan.decode_worker = self.choose_decode(plan.shape, plan.request_id, until=now + ttft + 2 * self._interval())
 

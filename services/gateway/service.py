@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without output before a request fails")
     p.add_argument("--handoff-timeout", type=float, default=15.0, help="seconds prefill->decode may take")
+    p.add_argument("--mode", choices=["disagg", "agg"], default=env("DEEPINFER_MODE", "disagg"),
+                   help="disagg: prefill workers compute prompts and hand off to decode workers; agg: each "
+                        "request goes to one decode worker, which prefills and decodes it (env DEEPINFER_MODE; "
+                        "default disagg)")
     p.add_argument("--prefill-router", choices=PREFILL_POLICIES, default=env("DEEPINFER_PREFILL_ROUTER", "predicted"),
                    help="prefill routing: predicted (smallest predicted finish time, default), round_robin, "
                         "least_loaded, dynamo (Dynamo's KV-router cost) (env DEEPINFER_PREFILL_ROUTER)")
@@ -66,8 +70,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         worker_id=a.worker_id,
         log_level=a.log_level,
         timeouts=StreamTimeouts(inactivity_s=a.request_timeout, handoff_s=a.handoff_timeout),
+        mode=a.mode,
         routing=RouterConfig(prefill_policy=a.prefill_router, kv_load_bytes_per_s=a.kv_load_bytes_per_s,
-                             dynamo_overlap_weight=a.dynamo_overlap_weight),
+                             dynamo_overlap_weight=a.dynamo_overlap_weight,
+                             prefill_role="decode" if a.mode == "agg" else "prefill"),
         admission=AdmissionConfig(ttft_slo_s=a.ttft_slo_s, max_inflight=a.max_inflight,
                                   max_queued_prefill_s=a.max_queued_prefill_s),
         max_image_bytes=a.max_image_bytes,

@@ -5,9 +5,12 @@
 
   SUBMITTING -- subscribed to ``stream(request_id)`` (before submitting, so no
                 chunk is lost), PrefillRequest sent to the router's choice of
-                prefill worker, else on PREFILL_SUBMIT (``dispatch.submit_prefill``).
+                prefill worker, else on PREFILL_SUBMIT (``dispatch.submit_prompt``).
                 SubmitReply accepted -> PREFILL. No responders, refusal or
                 timeout -> ``StreamError`` (HTTP 503).
+                Aggregated serving (``mode`` "agg"): a DecodeRequest without KV (the
+                prompt's full-block keys, for the stored prefix) goes to the router's
+                choice of worker, which prefills and decodes it -> DECODE.
   PREFILL    -- watching the prefill worker of the SubmitReply.
                 First chunk (role "prefill") -> HANDOFF, or FINISHED if final.
   HANDOFF    -- first token in; prefill is handing the request to a decode
@@ -57,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from deepinfer.gateway.dispatch import submit_prefill
+from deepinfer.gateway.dispatch import submit_prompt
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.router import Plan
 from deepinfer.kvstore.hashing import block_hashes
@@ -134,8 +137,10 @@ class RequestStream:
         cache_salt: str | None = None,
         images: list[list] | None = None,
         embeddings_fingerprint: str = "",
+        mode: str = "disagg",
     ):
         self.mesh = mesh
+        self.mode = mode  # "disagg": prefill then decode workers; "agg": one worker does both
         self.traffic_class = traffic_class
         self.cache_salt = cache_salt
         self.images = list(images or [])  # the prompt's [offset, length, content hash] per image
@@ -173,37 +178,43 @@ class RequestStream:
         self.prompt_token_ids, self.sampling = list(prompt_token_ids), sampling  # for a failover
         subject = subjects.stream(self.request_id)
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
-        req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class, self.cache_salt,
-                             decode_worker=plan.decode_worker if plan is not None else None,
-                             images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
+        role = "decode" if self.mode == "agg" else "prefill"
+        if role == "decode":
+            req = self._decode_request(plan.decode_worker if plan is not None else None, attempt=0)
+            req.num_kv_tokens = 0  # the keys name a prefix to look up (in the worker's cache first), not a handoff
+        else:
+            req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class,
+                                 self.cache_salt, decode_worker=plan.decode_worker if plan is not None else None,
+                                 images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         try:
-            reply = await submit_prefill(self.mesh, req, plan, self.timeouts.submit_s)
+            reply = await submit_prompt(self.mesh, req, plan, self.timeouts.submit_s, role)
         except MessageTooLarge as e:  # e.g. a huge structured-output schema: no worker could take it
             await self._fail()
             raise StreamError(f"the request is too large for the mesh: {e}", code="request_too_large", status=413)
         except NoResponders:
             await self._fail()
-            raise StreamError("no prefill worker is running")
+            raise StreamError(f"no {role} worker is running")
         except RequestTimeout:
             await self._fail()
             # NOTE: the submit may still sit in some worker's queue; make whoever has it drop it.
-            await self.mesh.publish(subjects.PREFILL_ABORT_ANY, AbortRequest(self.request_id))
-            raise StreamError(f"no prefill worker answered within {self.timeouts.submit_s:.0f}s", code="timeout")
+            if role == "prefill":
+                await self.mesh.publish(subjects.PREFILL_ABORT_ANY, AbortRequest(self.request_id))
+            raise StreamError(f"no {role} worker answered within {self.timeouts.submit_s:.0f}s", code="timeout")
         except RemoteError as e:
             await self._fail()
             if e.kind == "bad_request":
                 raise StreamError(str(e), code="bad_request", status=400)
-            raise StreamError(f"prefill submit failed: {e}", code="internal_error", status=500)
+            raise StreamError(f"{role} submit failed: {e}", code="internal_error", status=500)
         except ProtocolError as e:
             await self._fail()
-            raise StreamError(f"bad reply from prefill: {e}", code="internal_error", status=500)
+            raise StreamError(f"bad reply from {role}: {e}", code="internal_error", status=500)
         if not reply.accepted:
             await self._fail()
-            raise StreamError(f"prefill worker {reply.worker_id} refused the request: {reply.error}")
+            raise StreamError(f"{role} worker {reply.worker_id} refused the request: {reply.error}")
         now = self.clock()
         self._last_chunk_at = now
-        self._watch("prefill", reply.worker_id, now)
-        self.phase = Phase.PREFILL
+        self._watch(role, reply.worker_id, now)
+        self.phase = Phase.DECODE if role == "decode" else Phase.PREFILL
 
     async def next_chunk(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> TokenChunk:
         """Wait for the next chunk of this request. Raises StreamError or ClientGone."""
@@ -467,6 +478,14 @@ class RequestStream:
 
     async def _resume_decode(self, target: str | None) -> SubmitReply:
         """Submit the request to a decode worker: prompt, tokens so far, the prompt's stored blocks."""
+        req = self._decode_request(target, attempt=100 + self.failovers)
+        subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
+        return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
+
+    def _decode_request(self, target: str | None, attempt: int) -> DecodeRequest:
+        """A ``DecodeRequest`` that (re)computes the request on a decode worker from its prompt, the
+        tokens the client has and the keys of the prompt's full blocks in the storage tier (hashed
+        as ``target``, else any live decode worker, reports; none known: no keys)."""
         info = next((i.report for i in self.registry.alive() if i.report.worker_id == target), None)
         if info is None or not info.fingerprint:  # no target (queue group): any worker's parameters
             info = next((i.report for i in self.registry.alive("decode") if i.report.fingerprint), info)
@@ -474,15 +493,13 @@ class RequestStream:
         keys = (block_hashes(self.prompt_token_ids, bs, fingerprint, (self.cache_salt or "").encode(),
                              [tuple(i) for i in self.images])
                 if fingerprint and bs > 0 else [])
-        req = DecodeRequest(
+        return DecodeRequest(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             output_token_ids=list(self.output_token_ids), sampling=self.sampling,
             stream_subject=subjects.stream(self.request_id), kv_block_keys=keys, num_kv_tokens=len(keys) * bs,
             block_size=bs, traffic_class=self.traffic_class, cache_salt=self.cache_salt, images=self.images,
-            embeddings_fingerprint=self.embeddings_fingerprint, attempt=100 + self.failovers,
+            embeddings_fingerprint=self.embeddings_fingerprint, attempt=attempt,
         )
-        subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
-        return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 
     async def _fail(self, abort: bool = False) -> None:
         # NOTE: a live-but-stuck worker still holds KV for this request; tell it to let go.
