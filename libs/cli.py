@@ -1,6 +1,6 @@
 """The ``deepinfer`` command.
 
-    deepinfer up [--model PATH] [--port 8000] [--tokenizer N] [--prefill N] [--decode N]
+    deepinfer up [--model PATH] [--port 8000] [--mode agg|disagg] [--workers N] [--tokenizer N] [--prefill N] [--decode N]
         start nats-server, redis-server and every service; Ctrl-C stops them all
     deepinfer serve <service> [args...]
         run one service in this process (operators / the launcher); it reads
@@ -26,8 +26,9 @@ import time
 SERVICES = ("gateway", "tokenizer", "prefill", "decode", "worker", "vision", "kvindex", "balancer")
 # another name of a service: an aggregated-serving worker is a decode worker (it prefills what it gets)
 ALIASES = {"worker": "decode"}
-# the serving mode `deepinfer up` starts by default (docs/benchmarks.md: the faster one on a small machine)
-DEFAULT_MODE = "agg"
+# the serving mode `deepinfer up` starts by default: the faster one on a 2-core machine
+# (benchmarks/bench_peers.py; docs/benchmarks.md)
+DEFAULT_MODE = "disagg"
 # Services whose module does not exist yet, and the issue that adds it.
 PLANNED: dict[str, int] = {}
 # Services a mesh runs only for some models: vision workers for vision-language models (config.json
@@ -91,7 +92,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra,
                 mode=args.mode)
     _say(f"serving mode: {args.mode} (" + ("workers that prefill and decode, `deepinfer serve worker`"
-                                             if agg else "prefill workers hand off to decode workers") + ")")
+                                             if agg else "prefill workers hand off to decode workers")
+         + ("; the default, measured the faster on a 2-core machine: docs/benchmarks.md" if args.mode == DEFAULT_MODE
+            else "") + ")")
 
     def on_signal(signum, _frame):
         raise _Stop(signal.Signals(signum).name)

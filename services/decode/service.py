@@ -257,8 +257,8 @@ class DecodeService(EngineWorker):
         full, windows, ok = [], [], True
         for i, key in enumerate(req.kv_block_keys[start:], start):
             block = self.read_block(req, key, ok, (len(layout.full_layers), *tail))
-            if ok and block is None:
-                log.warning("kv_block_miss", request_id=req.request_id, key=key)
+            if ok and block is None:  # (a prefix looked up, ``num_kv_tokens`` 0: the end of what is stored)
+                (log.warning if req.num_kv_tokens else log.debug)("kv_block_miss", request_id=req.request_id, key=key)
                 ok = False
             if ok:
                 full.append(block)
