@@ -393,3 +393,15 @@ def test_simultaneous_requests_with_one_cold_prefix_compute_it_once(model_dir, h
     alone = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False))
     for i in (0, 7, 15):
         assert out[str(i)] == run(alone, [("x", prompts[i], sp)])["x"], f"prompt {i}"
+
+
+def test_a_request_id_already_in_the_engine_is_refused(model_dir, prompts):
+    """Two sequences under one id would stream into one response: the second add is refused
+    (until the first is gone)."""
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=16 << 20))
+    engine.add_request("a", prompts[0], GREEDY)
+    with pytest.raises(RequestError, match="already in the engine"):
+        engine.add_request("a", prompts[1], GREEDY)
+    assert engine.abort("a")
+    engine.add_request("a", prompts[1], GREEDY)  # gone: the id may come back
+    assert len(engine.scheduler.waiting) == 1

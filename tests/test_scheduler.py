@@ -203,9 +203,12 @@ def test_prefill_chunks_of_a_shared_prefix_are_waited_for_chunk_by_chunk():
     b = Sequence("b", prefix + [2], 17, SamplingParams(temperature=0, max_tokens=2))
     s.add(a), s.add(b)
     fed = {"a": 0, "b": 0}
-    while a.num_computed_tokens < 17 or b.num_computed_tokens < 17:
+    for _ in range(50):  # (a bound: a deadlock fails here instead of hanging)
+        if a.num_computed_tokens >= 17 and b.num_computed_tokens >= 17:
+            break
         step = s.schedule()
         for x in step:
             fed[x.request_id] += x.num_scheduled_tokens
         s.postprocess(step, {i: 9 for i, x in enumerate(step) if x.num_computed_tokens + x.num_scheduled_tokens >= len(x)})
+    assert a.num_computed_tokens >= 17 and b.num_computed_tokens >= 17, "no progress"
     assert fed == {"a": 17, "b": 1} and b.num_cached_tokens == 16

@@ -7,8 +7,9 @@ CPU without native bf16 emulates it and loses. So the engine times, at start-up,
 the linear layers of the model it is about to load (random weights of the same
 shapes, through the same ``Linear`` and packed GEMM the engine runs) in fp32 and
 in bf16, at a decode-sized, a verify-sized and a prefill-sized row count, and
-takes bf16 when it is faster overall. The choice and its figures are logged by
-the caller.
+takes bf16 when it is clearly faster overall (``BF16_MAX_RATIO``). The choice and
+its figures are logged by the caller. Workers of one mesh choose apart: for a
+choice that cannot differ between them, pass the dtype explicitly.
 
 Attention, norms and sampling follow the weights' dtype (logits are always fp32),
 so this also halves the KV cache's bytes per block; the storage tier's
@@ -28,6 +29,9 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import Linear, bf16_gemm_supported
 
 PROBE_ROWS = (1, 16, 256)  # decode, a speculative verify step, a prefill chunk
+# bf16 only when clearly faster: workers of one mesh time the probe apart (on shared cores), and a
+# CPU near parity must not give them different dtypes (a storage tier each: no handoff would hit)
+BF16_MAX_RATIO = 0.8
 MAX_PROBE_OUT = 16384  # wider layers (the LM head) are timed at this width and scaled: bounds the memory
 
 # (in_features, out_features, how many the model has)
@@ -85,8 +89,8 @@ def choose_dtype(cfg: ModelConfig, requested: str = "auto", batch_invariant: boo
 
     An explicit dtype is kept. "auto" is "float32" when oneDNN has no bf16 GEMM here or in
     batch-invariant mode (its bitwise guarantees are measured on fp32's packed GEMM), else
-    "bfloat16" when bf16's summed time over ``PROBE_ROWS`` is below fp32's by the geometric mean
-    of the per-row-count ratios, else "float32". ``probe`` (default ``time_linears``) and
+    "bfloat16" when the geometric mean over ``PROBE_ROWS`` of bf16's / fp32's summed time is below
+    ``BF16_MAX_RATIO``, else "float32". ``probe`` (default ``time_linears``) and
     ``bf16_supported`` (default ``bf16_gemm_supported``) let tests fake a CPU. Raises ValueError
     for an unknown dtype name.
     """
@@ -105,6 +109,6 @@ def choose_dtype(cfg: ModelConfig, requested: str = "auto", batch_invariant: boo
     ratios = {m: seconds["bfloat16"][m] / seconds["float32"][m] for m in seconds["float32"]}
     mean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
     per_rows = ", ".join(f"{m} rows {r:.2f}x" for m, r in ratios.items())
-    dtype = "bfloat16" if mean < 1.0 else "float32"
+    dtype = "bfloat16" if mean < BF16_MAX_RATIO else "float32"
     return DtypeChoice(dtype, f"bf16/fp32 GEMM time on the model's shapes: {per_rows} (geomean {mean:.2f})",
                        seconds)

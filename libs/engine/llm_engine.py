@@ -293,6 +293,8 @@ class LLMEngine:
         ``output_token_ids`` (tokens sampled elsewhere under the same grammar).
         """
         self.check_request(prompt_token_ids, output_token_ids, sampling)
+        if any(s.request_id == request_id for q in (self.scheduler.waiting, self.scheduler.running) for s in q):
+            raise RequestError(f"request {request_id} is already in the engine")
         tokens = list(prompt_token_ids) + list(output_token_ids)
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode(), export_prompt=export_prompt and kv_blocks is None)

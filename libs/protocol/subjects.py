@@ -34,6 +34,8 @@ KV_EVENTS_CONSUMER = "kvindex"  # durable consumer shared by kvindex replicas
 # Broadcast (every prefill worker): abort a request whose submit reply was lost or late,
 # so whichever worker queued it drops it.
 PREFILL_ABORT_ANY = f"{PREFIX}.prefill.abort"
+# The same for decode workers (aggregated serving submits the prompt to them): names the attempt.
+DECODE_ABORT_ANY = f"{PREFIX}.decode.abort"
 
 # Heartbeats / load reports of every worker: deepinfer.load.<role>.<worker_id>
 LOAD_ALL = f"{PREFIX}.load.>"

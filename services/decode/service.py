@@ -84,6 +84,7 @@ class DecodeService(EngineWorker):
                                                      queue=subjects.DECODE_GROUP, span_name="decode.submit"))
         await self.mesh.subscribe(subjects.decode_submit(self.worker_id), self.on_submit, span_name="decode.submit")
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="decode.abort")
+        await self.mesh.subscribe(subjects.DECODE_ABORT_ANY, self.on_abort, span_name="decode.abort")
 
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: DecodeRequest) -> SubmitReply:
@@ -126,6 +127,9 @@ class DecodeService(EngineWorker):
                 raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
                 await self.load_prefix(req, kv, num_tokens, skip)
+                if self.requests.get(req.request_id) is not req:  # aborted while the prefix went in
+                    self.end_span(req.request_id, error="aborted")
+                    return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
             self.offsets[req.request_id] = len(req.output_token_ids)  # before the engine's first output
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,

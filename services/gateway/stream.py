@@ -199,6 +199,8 @@ class RequestStream:
             # NOTE: the submit may still sit in some worker's queue; make whoever has it drop it.
             if role == "prefill":
                 await self.mesh.publish(subjects.PREFILL_ABORT_ANY, AbortRequest(self.request_id))
+            else:  # (that attempt: a decode worker refuses it if it arrives later)
+                await self.mesh.publish(subjects.DECODE_ABORT_ANY, AbortRequest(self.request_id, req.attempt))
             raise StreamError(f"no {role} worker answered within {self.timeouts.submit_s:.0f}s", code="timeout")
         except RemoteError as e:
             await self._fail()
@@ -381,6 +383,7 @@ class RequestStream:
         elif (reconnects := getattr(self.mesh, "reconnects", 0)) != self._reconnects:
             self._reconnects, self._reconnected_at = reconnects, now  # chunks may have been lost meanwhile
         elif (self._reconnected_at and self.phase in (Phase.HANDOFF, Phase.DECODE)
+              and (self.output_token_ids or self.mode != "agg")  # (agg, no token yet: still prefilling)
               and self._last_chunk_at < self._reconnected_at and now - self._reconnected_at > self.timeouts.resync_s):
             self._reconnected_at = 0.0  # silent since: its last chunks (its final one) were lost
             await self._failover(f"no output from {self.worker_role} worker {self.worker_id} for "
