@@ -102,8 +102,11 @@ class VllmEngine:
 
         from deepinfer.engine.vllm_connector import kv_transfer_config, vllm_fingerprint
 
-        self.config = dataclasses.replace(cfg, async_scheduling=False)  # vLLM overlaps its own steps
-        args = EngineArgs(model=str(model_dir), dtype=cfg.dtype, block_size=cfg.block_size,
+        # NOTE: "auto" (the workers' default) is fp32 here, the dtype this backend is tested in: vLLM's
+        # own "auto" (the checkpoint's dtype) made the vLLM mesh answer garbage (not investigated yet).
+        dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+        self.config = dataclasses.replace(cfg, async_scheduling=False, dtype=dtype)  # vLLM overlaps its own steps
+        args = EngineArgs(model=str(model_dir), dtype=dtype, block_size=cfg.block_size,
                           max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=True,

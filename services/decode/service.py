@@ -69,6 +69,12 @@ def is_ephemeral(key: str) -> bool:
     return key.startswith("eph-")  # ``kvstore.ephemeral_key``
 
 
+def is_handoff(req: DecodeRequest) -> bool:
+    """Whether ``req`` names the KV of every token but the last (a prefill worker's handoff), not a
+    prefix for this worker to look up before computing the rest (a resume, aggregated serving)."""
+    return req.num_kv_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) - 1
+
+
 class DecodeService(EngineWorker):
     role = "decode"
 
@@ -100,7 +106,7 @@ class DecodeService(EngineWorker):
         self.requests[req.request_id] = req
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-        handoff = req.num_kv_tokens == num_tokens - 1  # KV of every token but the last (else: a prefix)
+        handoff = is_handoff(req)  # KV of every token but the last (else: a prefix to look up)
         vllm = self.engine.engine_kind == "vllm"  # its connector loads the stored prefix (engine.vllm_connector)
         # a prefix: what this engine caches already is not read again
         skip = 0 if handoff or vllm else self.engine.cached_prefix_blocks(req.kv_block_keys[: (num_tokens - 1) // bs])
@@ -184,7 +190,10 @@ class DecodeService(EngineWorker):
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
-                               offset=offset, attempt=req.attempt, num_cached_tokens=out.num_cached_tokens)
+                               offset=offset, attempt=req.attempt,
+                               # the prompt's cache hits where this worker gives the first token (aggregated
+                               # serving); after a handoff or a resume the first token's worker reported them
+                               num_cached_tokens=0 if req.output_token_ids else out.num_cached_tokens)
             if out.finish_reason == "error":
                 chunk.error = "decode engine failed"
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))
