@@ -71,8 +71,8 @@ class EngineConfig:
     shares (see ``models.layers.Linear``); off by default on CPU because it
     roughly doubles batch-1 decode time there.
     dtype: weights and KV cache: "float32", "bfloat16", "float16", or "auto"
-    (``engine.dtype_choice``: bf16 where this CPU's bf16 GEMMs beat fp32 on the
-    model's shapes, timed at start-up; resolved into this field).
+    (``engine.dtype_choice``: bf16 where this CPU's bf16 GEMMs clearly beat fp32
+    on the model's shapes, timed at start-up; resolved into this field).
     packed_weights: run linear layers from packed weights (CPU: MKL for fp32,
     oneDNN for bf16; one extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes), up to
     the rows where packed GEMM stops being faster, measured per weight shape at
