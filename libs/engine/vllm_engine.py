@@ -143,12 +143,14 @@ class VllmEngine:
                 raise RequestError(f"{name} is not available on --engine vllm")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: list[int] = (), cache_salt: str | None = None, **unsupported_kw) -> None:
+                    output_token_ids: list[int] = (), cache_salt: str | None = None, export_prompt: bool = False,
+                    **unsupported_kw) -> None:
         """Queue a request. ``output_token_ids``: tokens already streamed (a decode worker after a
         handoff or a resume): they extend the prompt and count against ``max_tokens``. A
         prefill-only engine samples one token (finish reason "handoff" unless it ends the request).
         Raises RequestError for what ``check_request`` refuses and for native-only arguments
-        (``kv_blocks``, ``images``, ...: the KV comes through the connector here)."""
+        (``kv_blocks``, ``images``, ...: the KV comes through the connector here). ``export_prompt``
+        is a no-op: the connector saves the prompt's blocks to the storage tier itself."""
         given = sorted(k for k, v in unsupported_kw.items() if v not in (None, (), [], 0))
         if given:
             raise RequestError(f"not available on --engine vllm: {', '.join(given)}")
@@ -164,6 +166,10 @@ class VllmEngine:
         self.engine.add_request(request_id, prompt, vllm_sampling(sampling, 1 if self.config.prefill_only else left,
                                                                     len(output_token_ids)))
         self._requests[request_id] = (len(prompt_token_ids), left)
+
+    def cached_prefix_blocks(self, hashes: list[str]) -> int:
+        """0: which stored blocks vLLM caches is its connector's business (it loads what it lacks)."""
+        return 0
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (vLLM frees its blocks); False if it is not here."""

@@ -107,11 +107,10 @@ class DecodeService(EngineWorker):
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         handoff = is_handoff(req)  # KV of every token but the last (else: a prefix to look up)
-        vllm = self.engine.engine_kind == "vllm"  # its connector loads the stored prefix (engine.vllm_connector)
         # a prefix: what this engine caches already is not read again
-        skip = 0 if handoff or vllm else self.engine.cached_prefix_blocks(req.kv_block_keys[: (num_tokens - 1) // bs])
+        skip = 0 if handoff else self.engine.cached_prefix_blocks(req.kv_block_keys[: (num_tokens - 1) // bs])
         with tracer().start_as_current_span("decode.load") as span:
-            if vllm:
+            if self.engine.engine_kind == "vllm":  # its connector loads the stored prefix (engine.vllm_connector)
                 kv, complete = None, False
             else:
                 kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req, skip)
@@ -143,7 +142,7 @@ class DecodeService(EngineWorker):
                 num_kv_tokens=req.num_kv_tokens if whole else 0, cache_salt=req.cache_salt,
                 num_exact_tokens=req.num_exact_blocks * bs if whole and req.num_exact_blocks >= 0 else None,
                 # a prompt computed here (aggregated serving, a resume) goes to the storage tier too
-                export_prompt=not whole and not vllm,
+                export_prompt=not whole,
                 **({"images": req.images, "image_embeds": embeds} if req.images else {}),
             )
         except RequestError as e:
