@@ -201,8 +201,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             qg = q[tokens].view(g, ql, h, d).transpose(1, 2)
             k = k_cache.index_select(0, blocks).view(g, -1, hkv, d).transpose(1, 2)
             v = v_cache.index_select(0, blocks).view(g, -1, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale, enable_gqa=(h != hkv))
-            out[tokens] = o.transpose(1, 2).reshape(-1, h, d)
+            out[tokens] = _attend(qg, k, v, mask, scale).transpose(1, 2).reshape(-1, h, d)
         return out
     if t == b * tq:  # every sequence has the same query length (e.g. pure decode): no scatter
         qp = q.view(b, tq, h, d)
@@ -216,15 +215,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = k_cache.index_select(0, blocks).view(b, -1, hkv, d)  # [B, L, Hkv, D]
     v = v_cache.index_select(0, blocks).view(b, -1, hkv, d)
     if sinks is None:
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=meta.mask(window), scale=scale, enable_gqa=(h != hkv),
-        )  # [B, H, Tq, D]
+        out = _attend(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), meta.mask(window), scale)
     else:
         out = _attention_with_sinks(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                     meta.mask(window), scale, sinks)
     out = out.transpose(1, 2).reshape(b * tq, h, d)
     return out if t == b * tq else out[meta.query_index]
+
+
+# Up to this many queries per sequence, ``_attend`` computes attention with two batched
+# matmuls instead of SDPA. Measured on a 2-core Xeon (SmolLM2-135M's 9 heads, 3 KV heads,
+# head_dim 64): SDPA's CPU kernel in bf16 takes 1.29 ms for 16 one-token queries at
+# context 224, the matmuls 0.14 ms (fp32: 0.16 vs 0.17); at 16 queries 1.10 vs 0.59 ms;
+# from 32 queries on SDPA wins (1.81 vs 4.19 ms), as it does for prefill chunks.
+SMALL_QUERY_MAX = 16
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, Tq, D], k/v [B, Hkv, L, D], mask [B, 1, Tq, L] bool -> [B, H, Tq, D] (q's dtype).
+
+    Decode-sized queries (Tq <= ``SMALL_QUERY_MAX``): scores of each KV head's
+    H / Hkv query heads in one matmul (no K/V repeat for GQA), softmax in
+    float32, then one matmul with V. Longer queries: SDPA.
+    """
+    b, h, tq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if tq > SMALL_QUERY_MAX:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=(h != hkv))
+    g = h // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * tq, d), k.transpose(2, 3)).float().view(b, hkv, g, tq, n)
+    scores = scores.mul_(scale).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * tq, n)
+    return torch.matmul(probs, v).view(b, h, tq, d)
 
 
 # Batch-invariant attention pads a sequence's queries to at least this many rows.
