@@ -64,6 +64,7 @@ VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
 SYSTEMS: dict[str, dict] = {
     "default": {"mode": DEFAULT_MODE},  # what `deepinfer up` starts
     "disagg": {"mode": "disagg"},  # prefill workers hand off to decode workers
+    "agg": {"mode": "agg"},  # one worker prefills and decodes (not in the default run: it is one of the above)
 }
 ALL_SYSTEMS = (*SYSTEMS, "vllm")
 
@@ -81,7 +82,7 @@ def phases(args) -> list[tuple[str, list[str]]]:
                 "--seed", str(seed), "--max-concurrency", str(concurrency)]
 
     p, b, s = args.prefix_prompts, args.burst, PHASE_SEEDS
-    return [
+    runs = [
         ("chats", ["--dataset", "random", "--input-len", str(CHAT_INPUT), "--output-len", str(CHAT_OUTPUT),
                    "--num-prompts", str(args.chat_prompts), "--max-concurrency", *map(str, CHAT_LEVELS),
                    "--seed", str(s["chats"])]),  # bench serve seeds level i with seed + i: fresh prompts
@@ -91,6 +92,7 @@ def phases(args) -> list[tuple[str, list[str]]]:
         ("prefix-cold-c16", prefix(b, 1, s["prefix-c16"], concurrency=b)),
         ("prefix-warm-c16", prefix(b, 1, s["prefix-c16"], suffix=2 * SUFFIX_LEN, concurrency=b)),
     ]
+    return [(name, flags) for name, flags in runs if name.split("-")[0] in args.workloads]
 
 
 def bench(url: str, flags: list[str], out: Path) -> list[dict]:
@@ -316,7 +318,8 @@ def on_sigterm(signum, _frame):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=list(ALL_SYSTEMS))
+    ap.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=["default", "disagg", "vllm"])
+    ap.add_argument("--workloads", nargs="+", choices=("chats", "prefix"), default=["chats", "prefix"])
     ap.add_argument("--chat-prompts", type=int, default=32, help="chats: prompts per concurrency level (default 32)")
     ap.add_argument("--prefix-prompts", type=int, default=8, help="prefix cold/warm c=1: requests (default 8)")
     ap.add_argument("--burst", type=int, default=16, help="prefix cold/warm c=16: requests at once (default 16)")

@@ -33,6 +33,8 @@ def _reference(q, ks, vs, query_lens, context_lens, scale, window):
     ([1, 1, 1], [7, 20, 3]),  # pure decode (one padded call)
     ([1, 4, 6, 1, 4], [9, 17, 6, 33, 4]),  # verify steps: uneven draft counts (grouped calls)
     ([12, 1, 1, 3], [12, 40, 2, 19]),  # a prefill chunk next to decodes
+    ([21, 21], [21, 21]),  # cold prompts of one length (causal SDPA without a mask, unless windowed)
+    ([21, 21], [21, 30]),  # one length, one with cached context (masked)
 ])
 def test_paged_attention_matches_reference(query_lens, context_lens, window):
     torch.manual_seed(0)
@@ -47,12 +49,14 @@ def test_paged_attention_matches_reference(query_lens, context_lens, window):
         ks.append(torch.randn(cl, hkv, d))
         vs.append(torch.randn(cl, hkv, d))
     # cached context first (as earlier steps stored it), then this step's new tokens
-    cached = build_metadata([c - q for q, c in zip(query_lens, context_lens)], [c - q for q, c in
-                            zip(query_lens, context_lens)], tables, bs)
-    store_kvcache(torch.cat([k[:c - q] for k, q, c in zip(ks, query_lens, context_lens)]),
-                  torch.cat([v[:c - q] for v, q, c in zip(vs, query_lens, context_lens)]),
-                  k_cache, v_cache, cached.slot_mapping)
+    if query_lens != context_lens:
+        cached = build_metadata([c - q for q, c in zip(query_lens, context_lens)], [c - q for q, c in
+                                zip(query_lens, context_lens)], tables, bs)
+        store_kvcache(torch.cat([k[:c - q] for k, q, c in zip(ks, query_lens, context_lens)]),
+                      torch.cat([v[:c - q] for v, q, c in zip(vs, query_lens, context_lens)]),
+                      k_cache, v_cache, cached.slot_mapping)
     meta = build_metadata(query_lens, context_lens, tables, bs)
+    assert meta.cold == (query_lens == context_lens)
     store_kvcache(torch.cat([k[c - q:] for k, q, c in zip(ks, query_lens, context_lens)]),
                   torch.cat([v[c - q:] for v, q, c in zip(vs, query_lens, context_lens)]),
                   k_cache, v_cache, meta.slot_mapping)

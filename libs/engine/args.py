@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="greedy output independent of batch composition (slower attention)")
     p.add_argument("--no-packed-weights", action="store_true", help="do not pre-pack GEMM weights (MKL, fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--single-thread-max-tokens", type=int, default=None,
+                   help="steps feeding at most this many tokens run on one thread, larger ones on --threads "
+                        "(0 = every step on all; default: timed at start-up on dummy steps, logged)")
     p.add_argument("--swa-replay", choices=["bounded", "exact"],
                    default=os.environ.get("DEEPINFER_SWA_REPLAY", "bounded"),
                    help="hybrid sliding-window models, a cached prefix whose window state is gone: bounded = replay "
@@ -115,6 +118,7 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         swa_replay=args.swa_replay,
         swa_cache_bytes=int(args.swa_cache_gb * (1 << 30)),
         kernels=getattr(args, "kernels", None),
+        single_thread_max_tokens=getattr(args, "single_thread_max_tokens", None),
         speculative=None if prefill_only or args.speculative == "none" else SpecConfig(
             args.speculative, args.num_speculative_tokens, args.spec_verify, draft_layers=args.draft_layers),
     )

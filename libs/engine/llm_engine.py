@@ -24,6 +24,7 @@ time between steps either way.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.engine.spec_decode import SpecConfig, SpecDecoder
+from deepinfer.engine.step_threads import StepThreads, choose_step_threads
 from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kernels import select as kernel_select
@@ -54,6 +56,9 @@ from deepinfer.protocol import SamplingParams
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
+
+# (model dir, dtype, threads, OMP_WAIT_POLICY, GOMP_SPINCOUNT) -> the timed choice, once per process
+_STEP_THREADS: dict[tuple, StepThreads] = {}
 
 
 class RequestError(ValueError):
@@ -90,7 +95,10 @@ class EngineConfig:
     drafts this one accepts); not on hybrid sliding-window models (ValueError).
     kernels: "auto", "torch" or "triton" (``kernels.select``; None = env
     DEEPINFER_KERNELS, else auto: Triton where the model is on CUDA, the torch
-    reference otherwise). ValueError where "triton" cannot run."""
+    reference otherwise). ValueError where "triton" cannot run.
+    single_thread_max_tokens: steps feeding at most this many tokens run on one intra-op
+    thread, larger ones on all (``engine.step_threads``; 0 = every step on all threads);
+    None = timed at start-up on dummy steps of the model. Batch-invariant engines use 0."""
 
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30
@@ -110,6 +118,7 @@ class EngineConfig:
     swa_cache_bytes: int = 256 << 20
     speculative: SpecConfig | None = None
     kernels: str | None = None
+    single_thread_max_tokens: int | None = None
 
 
 @dataclass
@@ -170,6 +179,7 @@ class _Step:
 class LLMEngine:
     engine_kind = "native"  # what load reports call this engine (``engine.mock.MockEngine``: "mock")
     spec: SpecDecoder | None = None  # speculative decoding (``EngineConfig.speculative``)
+    step_threads: StepThreads | None = None  # intra-op threads per step (None: left as they are)
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -232,6 +242,7 @@ class LLMEngine:
                                   num_window_blocks)
         # a sequence longer than the KV cache could never finish: cap it (it ends with "length")
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.step_threads = self._choose_step_threads()
         self._init_scheduling(mc.eos_token_ids)
         if config.speculative is not None and not config.prefill_only:
             if num_window_blocks:
@@ -594,6 +605,8 @@ class LLMEngine:
     def _execute(self, step: "_Step") -> SampleResult:
         """Forward pass and sampling (on the forward thread in async mode)."""
         self.runner.fill(step.inputs)
+        if self.step_threads is not None:  # (this thread's OpenMP team size)
+            torch.set_num_threads(self.step_threads.threads_for(sum(n for n, _ in step.pieces)))
         t0 = step.started = time.perf_counter()
         if self._forward_end is not None:
             self.step_gaps.append(t0 - self._forward_end)
@@ -730,23 +743,53 @@ class LLMEngine:
         shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 1024)], [(128, 512)], [(256, 2048)],
                   [(1, 128)], [(1, 1024)] * 8, [(1, 256)] * 16, [(1, 512)] * 4]
         for k, pieces in enumerate(shapes):
-            seqs = []
-            for i, (n, c) in enumerate(pieces):
-                seq = Sequence(f"__calibrate_{i}", [0] * (c + n), c + n, SamplingParams(max_tokens=1))
-                if c + n > self.max_model_len or not self.block_manager.can_allocate(seq, c + n):
-                    break
-                self.block_manager.allocate(seq, c + n)
-                seq.num_computed_tokens, seq.num_scheduled_tokens = c, n
-                seqs.append(seq)
-            if len(seqs) == len(pieces):
-                t0 = time.perf_counter()
-                self.runner.run(seqs)
-                if k > 0:
-                    self.cost_model.samples.append((features(pieces), time.perf_counter() - t0))
-            for seq in seqs:
-                self.block_manager.free(seq)
+            seconds = self._time_dummy_step(pieces)
+            if k > 0 and seconds is not None:
+                self.cost_model.samples.append((features(pieces), seconds))
         if len(self.cost_model.samples) >= 3:
             self.cost_model.fit()
+
+    def _time_dummy_step(self, pieces: list[tuple[int, int]], threads: int | None = None) -> float | None:
+        """Seconds of one forward pass feeding ``pieces`` [(new tokens, context tokens)], one dummy
+        sequence each, on ``threads`` intra-op threads (default: ``step_threads``' choice for
+        the step); None when they do not fit the KV cache or ``max_model_len``."""
+        seqs = []
+        for i, (n, c) in enumerate(pieces):
+            seq = Sequence(f"__calibrate_{i}", [0] * (c + n), c + n, SamplingParams(max_tokens=1))
+            if c + n > self.max_model_len or not self.block_manager.can_allocate(seq, c + n):
+                break
+            self.block_manager.allocate(seq, c + n)
+            seq.num_computed_tokens, seq.num_scheduled_tokens = c, n
+            seqs.append(seq)
+        seconds = None
+        if len(seqs) == len(pieces):
+            torch.set_num_threads(threads or self.step_threads.threads_for(sum(n for n, _ in pieces)))
+            t0 = time.perf_counter()
+            self.runner.run(seqs)
+            seconds = time.perf_counter() - t0
+            torch.set_num_threads(self.step_threads.max_threads)
+        for seq in seqs:
+            self.block_manager.free(seq)
+        return seconds
+
+    def _choose_step_threads(self) -> StepThreads:
+        """``EngineConfig.single_thread_max_tokens``, or (None) timed on dummy steps: decode batches
+        at context 128 and a cold prefill chunk (``step_threads.choose_step_threads``; once per
+        process for a model, dtype, thread count and wait policy)."""
+        cfg, threads = self.config, torch.get_num_threads()
+        if cfg.single_thread_max_tokens is not None or cfg.batch_invariant:  # (a row's bits may depend on threads)
+            return StepThreads(threads, cfg.single_thread_max_tokens or 0, reason="configured")
+        key = (str(self.model_dir), cfg.dtype, threads, os.environ.get("OMP_WAIT_POLICY"),
+               os.environ.get("GOMP_SPINCOUNT"))
+        if key not in _STEP_THREADS:
+            def time_step(n: int, t: int) -> float:
+                pieces = [(1, 128)] * n if n <= 64 else [(n, 0)]
+                times = [self._time_dummy_step(pieces, t) for _ in range(4)][1:]  # the first warms up
+                return min(x for x in times if x is not None) if None not in times else float("inf")
+            self.step_threads = StepThreads(threads)
+            _STEP_THREADS[key] = choose_step_threads(time_step, threads)
+            log.info("step threads chosen", **_STEP_THREADS[key].log_fields())
+        return _STEP_THREADS[key]
 
     # --- load -----------------------------------------------------------------
     @property

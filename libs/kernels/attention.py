@@ -66,6 +66,8 @@ class AttentionMetadata:
     key_starts: first key position each sequence may attend (empty: 0 for all).
     kernel_inputs: per-step tensors a kernel derives from the above, built on first
         use and shared by every layer (``triton_attention.seq_info``).
+    cold: every sequence feeds its whole context from position 0 (query length =
+        context length, nothing released, no key_starts): plain causal attention.
     """
 
     slot_mapping: torch.Tensor
@@ -85,6 +87,7 @@ class AttentionMetadata:
     key_lens: list[int] = field(default_factory=list)
     key_starts: list[int] = field(default_factory=list)
     kernel_inputs: dict = field(default_factory=dict, repr=False)
+    cold: bool = False
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _groups: dict[int, list] = field(default_factory=dict, repr=False)
 
@@ -170,7 +173,8 @@ def build_metadata(
     return AttentionMetadata(slot_mapping, query_index, context_slots, mask[:, None], b, tq,
                              query_positions=torch.where(qvalid, qpos, 0), per_sequence=per_sequence,
                              query_lens=list(query_lens), context_lens=list(context_lens), block_tables=tables,
-                             key_positions=pos, key_lens=key_lens, key_starts=list(key_starts or []))
+                             key_positions=pos, key_lens=key_lens, key_starts=list(key_starts or []),
+                             cold=query_lens == context_lens and not any(first) and not any(key_starts or []))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -214,7 +218,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     blocks = meta.block_tables.view(-1)
     k = k_cache.index_select(0, blocks).view(b, -1, hkv, d)  # [B, L, Hkv, D]
     v = v_cache.index_select(0, blocks).view(b, -1, hkv, d)
-    if sinks is None:
+    if sinks is None and meta.cold and (window is None or window >= tq) and tq > SMALL_QUERY_MAX:
+        # prompts from position 0, all of one length: causal SDPA on exactly their keys, no mask
+        # (1.6k tokens, bf16: 21.8 against 35.4 ms per layer with the materialised mask)
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), k[:, :tq].transpose(1, 2),
+                                             v[:, :tq].transpose(1, 2), is_causal=True, scale=scale,
+                                             enable_gqa=(h != hkv))
+    elif sinks is None:
         out = _attend(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), meta.mask(window), scale)
     else:
         out = _attention_with_sinks(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -243,7 +253,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if tq > SMALL_QUERY_MAX:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=(h != hkv))
     g = h // hkv
-    scores = torch.matmul(q.reshape(b, hkv, g * tq, d), k.transpose(2, 3)).float().view(b, hkv, g, tq, n)
+    # NOTE: K made contiguous first: the matmul on the gathered, head-strided view took 0.29 ms
+    # at 16 sequences x 224 keys (bf16, one thread), the copy and the matmul 0.09 ms.
+    scores = torch.matmul(q.reshape(b, hkv, g * tq, d), k.contiguous().transpose(2, 3)).float()
+    scores = scores.view(b, hkv, g, tq, n)
     scores = scores.mul_(scale).masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * tq, n)
     return torch.matmul(probs, v).view(b, h, tq, d)
