@@ -26,8 +26,8 @@ def fake_probe(one_thread_factor: dict[int, float]):
 
 
 def test_one_thread_wins_small_steps_only():
-    probe = fake_probe({1: 0.6, 16: 0.7, 64: 1.3, 256: 2.0})
-    choice = choose_step_threads(probe, 2)
+    probe = fake_probe({1: 0.6, 16: 0.7, 64: 1.3, 256: 0.5})
+    choice = choose_step_threads(probe, 2, tokens=(1, 16, 64, 256))
     assert choice.single_max_tokens == 16
     assert [choice.threads_for(n) for n in (1, 16, 17, 64, 300)] == [1, 1, 2, 2, 2]
     assert (256, 1) not in probe.calls  # probing stops at the first size where one thread lost

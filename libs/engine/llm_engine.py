@@ -774,8 +774,8 @@ class LLMEngine:
 
     def _choose_step_threads(self) -> StepThreads:
         """``EngineConfig.single_thread_max_tokens``, or (None) timed on dummy steps: decode batches
-        at context 128 and a cold prefill chunk (``step_threads.choose_step_threads``; once per
-        process for a model, dtype, thread count and wait policy)."""
+        at context 128 (``step_threads.choose_step_threads``; once per process for a model, dtype,
+        thread count and wait policy)."""
         cfg, threads = self.config, torch.get_num_threads()
         if cfg.single_thread_max_tokens is not None or cfg.batch_invariant:  # (a row's bits may depend on threads)
             return StepThreads(threads, cfg.single_thread_max_tokens or 0, reason="configured")
@@ -783,7 +783,7 @@ class LLMEngine:
                os.environ.get("GOMP_SPINCOUNT"))
         if key not in _STEP_THREADS:
             def time_step(n: int, t: int) -> float:
-                pieces = [(1, 128)] * n if n <= 64 else [(n, 0)]
+                pieces = [(1, 128)] * n
                 times = [self._time_dummy_step(pieces, t) for _ in range(4)][1:]  # the first warms up
                 return min(x for x in times if x is not None) if None not in times else float("inf")
             self.step_threads = StepThreads(threads)
