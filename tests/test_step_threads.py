@@ -47,6 +47,12 @@ def test_one_thread_wins_everywhere_and_noise_is_not_a_win():
     assert choose_step_threads(fake_probe({n: 0.97 for n in PROBE_TOKENS}), 2).single_max_tokens == 0
 
 
+def test_a_size_that_cannot_be_timed_ends_the_probe():
+    probe = fake_probe({1: 0.5, 16: 0.5, 64: 0.5})
+    choice = choose_step_threads(lambda n, t: float("inf") if n == 16 else probe(n, t), 2)
+    assert choice.single_max_tokens == 1 and (64, 1) not in probe.calls
+
+
 def test_one_thread_available_times_nothing():
     probe = fake_probe({})
     assert choose_step_threads(probe, 1).threads_for(1000) == 1 and probe.calls == []

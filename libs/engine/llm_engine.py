@@ -785,7 +785,7 @@ class LLMEngine:
             def time_step(n: int, t: int) -> float:
                 pieces = [(1, 128)] * n
                 times = [self._time_dummy_step(pieces, t) for _ in range(4)][1:]  # the first warms up
-                return min(x for x in times if x is not None) if None not in times else float("inf")
+                return float("inf") if None in times else min(times)  # inf: the batch does not fit
             self.step_threads = StepThreads(threads)
             _STEP_THREADS[key] = choose_step_threads(time_step, threads)
             log.info("step threads chosen", **_STEP_THREADS[key].log_fields())

@@ -17,6 +17,7 @@ applied per step by the forward thread (``StepThreads.threads_for``).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -57,8 +58,9 @@ def choose_step_threads(time_step: Callable[[int, int], float], max_threads: int
     """Time ``time_step(num_tokens, threads)`` (seconds of one step, best of a few) on one and
     on ``max_threads`` threads for each of ``tokens`` (ascending), and return the cut: the
     largest probed token count up to which one thread was faster at every probed size (by
-    ``MIN_GAIN``); probing stops at the first size where it was not. One thread available:
-    nothing is timed."""
+    ``MIN_GAIN``); probing stops at the first size where it was not, or that could not be
+    timed (``time_step`` returned inf: e.g. the batch does not fit the KV cache). One thread
+    available: nothing is timed."""
     if max_threads <= 1:
         return StepThreads(max_threads, 0, reason="one intra-op thread: nothing to choose")
     seconds: dict[int, dict[int, float]] = {1: {}, max_threads: {}}
@@ -66,7 +68,7 @@ def choose_step_threads(time_step: Callable[[int, int], float], max_threads: int
     for n in tokens:
         one, many = time_step(n, 1), time_step(n, max_threads)
         seconds[1][n], seconds[max_threads][n] = one, many
-        if one > MIN_GAIN * many:
+        if not (math.isfinite(one) and math.isfinite(many)) or one > MIN_GAIN * many:
             break
         cut = n
     ratios = ", ".join(f"{n} tokens {seconds[1][n] / seconds[max_threads][n]:.2f}x" for n in seconds[1])
