@@ -83,7 +83,7 @@ def test_agg_worker_killed_mid_stream_resumes_on_the_other_one_with_the_same_tex
     print(f"\nagg: killed {victim} ({len(on_victim)} decoding); {resumed} streams resumed, {loaded} from "
           f"stored blocks; kill -> next token per stream (s): {[round(g, 2) for g in gaps]}")
     assert resumed >= 1 and loaded >= 1
-    assert max(gaps) < 15, gaps
+    assert gaps and max(gaps) < 15, gaps
 
 
 def test_sigterm_drains_an_agg_worker_without_failing_a_request(make_mesh):

@@ -26,7 +26,7 @@ from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import resolve_model
 from deepinfer.protocol import LoadReport
-from deepinfer.telemetry import metrics
+from deepinfer.telemetry import configure_logging, metrics
 
 
 class EngineWorker(Service):
@@ -124,6 +124,9 @@ class EngineWorker(Service):
         add_engine_args(p)
         add_expert_args(p)
         args = p.parse_args(argv)
+        # now, not in run_service: the engine logs its start-up choices while it loads, and a logger
+        # keeps the configuration of its first use
+        configure_logging(cls.role, args.worker_id or "", args.log_level)
         try:  # NOTE: the engine places models on the CPU: an impossible --kernels is refused before loading
             kernel_select.resolve(args.kernels, "cpu")
         except ValueError as e:
