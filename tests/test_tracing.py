@@ -201,3 +201,25 @@ def test_health_checks_and_scrapes_are_not_recorded(tmp_path):
     with t.start_as_current_span("GET", attributes={"url.path": "/v1/chat/completions"}):
         pass
     assert [json.loads(line)["name"] for line in path.read_text().splitlines()] == ["GET"]
+
+
+def test_log_lines_go_to_the_stderr_of_the_moment_not_the_one_at_configuration(monkeypatch):
+    """A worker's main configures logging; a later stderr (a test runner's capture, a redirect)
+    gets the lines, and a closed earlier one breaks nothing."""
+    import io
+    import logging
+    import sys
+
+    from deepinfer.telemetry import configure_logging, get_logger
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("decode", "d-1")
+    get_logger("t").info("one")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    get_logger("t").info("two")
+    logging.getLogger("some.library").warning("three")
+    lines = [json.loads(line) for line in second.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["two", "three"]
+    assert all(line["service"] == "decode" and line["worker_id"] == "d-1" for line in lines)

@@ -31,6 +31,17 @@ def _add_trace_ids(_, __, event_dict):
     return event_dict
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured
+    (a configured logger outlives a replaced or closed stream, e.g. under a test runner's capture)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(service: str, worker_id: str = "", level: str = "INFO") -> None:
     """Route structlog and stdlib logging (uvicorn, OpenTelemetry's exporters, any
     library) to stderr as JSON lines with the same fields (pretty on a TTY).
@@ -51,12 +62,12 @@ def configure_logging(service: str, worker_id: str = "", level: str = "INFO") ->
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )
     _service_fields.update(service=service, worker_id=worker_id)
     # stdlib records: the same processors, the logger's name as ``logger``, the message as ``event``
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
