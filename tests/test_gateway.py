@@ -460,7 +460,7 @@ async def test_prompt_longer_than_the_model_is_400(client, gateway):
     r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, "word " * MAX_MODEL_LEN))
     assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
     r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, max_tokens=MAX_MODEL_LEN))
-    assert_openai_error(r, 400, param="max_tokens", code="context_length_exceeded")
+    assert_openai_error(r, 400, param="messages", code="context_length_exceeded")
 
 
 # --- sampling handed to prefill ---------------------------------------------------

@@ -209,7 +209,7 @@ class VllmEngine:
                     fingerprint=self.fingerprint, kv_block_bytes=self.block_bytes,
                     finished_requests=self.num_finished_requests,
                     prefix_hit_tokens=loaded,
-                    prefix_queried_tokens=getattr(conn, "tokens_queried", 0))
+                    prefix_queried_tokens=getattr(conn, "tokens_queried", 0), max_model_len=self.max_model_len)
 
     def step(self) -> list[StepOutput]:
         """One vLLM step: a ``StepOutput`` per request that got tokens or finished (its last one

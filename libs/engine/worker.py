@@ -92,7 +92,7 @@ class EngineWorker(Service):
                           computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total,
                           prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
                           swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
-                          swa_cache_misses=swa.misses if swa else 0)
+                          swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len)
 
     async def metric_families(self) -> list:
         """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""

@@ -352,6 +352,9 @@ class LoadReport:
     vision_forwards: int = 0  # vision workers: vision tower forward passes since start
     vision_images: int = 0  # vision workers: images encoded (misses) / served from the cache (hits)
     vision_cache_hits: int = 0
+    # the longest sequence (prompt + output, tokens) the worker's engine runs (0 = not said): the
+    # gateway holds requests to the smallest among live workers (``Gateway.max_model_len``)
+    max_model_len: int = 0
 
 
 @message

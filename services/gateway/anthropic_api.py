@@ -30,7 +30,9 @@ the call is only known once its closing tag arrives) / ``content_block_stop``, t
 Errors: ``{"type": "error", "error": {"type", "message"}}``: 400 ``invalid_request_error``,
 404 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error`` (admission, with
 ``Retry-After``), 500 ``api_error``, 504 ``timeout_error`` (a worker or the tokenizer timed
-out), 529 ``overloaded_error`` (no live worker took the request, or its worker was lost). All of
+out), 529 ``overloaded_error`` (no live worker took the request, or its worker was lost). A prompt
+over the context is Anthropic's ``prompt is too long: N tokens > M maximum`` (prompt plus
+``max_tokens`` over it: ``input length and `max_tokens` exceed context limit: ...``). All of
 them come before any SSE byte when detectable; after the stream started, a failure is an
 ``error`` event and the stream ends.
 """
@@ -53,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, model_validator
 from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
-from deepinfer.gateway.errors import OpenAIError, bad_request
+from deepinfer.gateway.errors import ContextLengthExceeded, OpenAIError, bad_request
 from deepinfer.gateway.images import ANTHROPIC
 from deepinfer.gateway.structured import tool_call_spec
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
@@ -204,7 +206,8 @@ def error_status(e: OpenAIError) -> int:
 def error_body(e: OpenAIError) -> dict:
     status = error_status(e)
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    message = e.anthropic_message if isinstance(e, ContextLengthExceeded) else e.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
@@ -401,7 +404,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await encode_messages_images(gw, request_id, template_messages(req),
                                                                      template_tools(req), terms=ANTHROPIC)
-    max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_tokens, "max_tokens", "messages")
+    max_tokens = output_budget(gw.max_model_len, len(prompt_ids), req.max_tokens, "messages")
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,

@@ -3,7 +3,7 @@
 * ``parse_body``: strict pydantic parsing into an ``OpenAIError`` (400) naming the field.
 * ``encode_messages_images``: template messages (OpenAI chat shape, images too) -> prompt ids and
   images via the vision and tokenizer services.
-* ``output_budget``: the prompt must leave room; the requested output must fit the context.
+* ``output_budget``: the prompt plus the requested output must fit the context (every API's check).
 * ``Assembler``: text deltas -> ordered content blocks (text, tool call), as events, so a stream
   and a collected response are built by the same code and are equal by construction.
 * ``run``: one choice's chunks -> assembler events, with the chat endpoint's abort rules.
@@ -20,7 +20,8 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
-from deepinfer.gateway.errors import OpenAIError, bad_request, mesh_errors, validation_error
+from deepinfer.gateway.errors import (OpenAIError, bad_request, context_length_exceeded, mesh_errors,
+                                     validation_error)
 from deepinfer.gateway.generate import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
@@ -114,24 +115,22 @@ async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: lis
     return reply
 
 
-def output_budget(max_model_len: int, num_prompt_tokens: int, requested: int | None, param: str,
-                  prompt_param: str) -> int:
-    """Output tokens the request may generate: ``requested``, or all the room left when None.
+def output_budget(max_model_len: int, num_prompt_tokens: int, requested: int | None, prompt_field: str,
+                  default: int | None = None) -> int:
+    """Output tokens the request may generate: ``requested``; when None, ``default`` or else all the
+    room the prompt leaves, capped at that room.
 
-    Raises 400 ``context_length_exceeded`` when the prompt fills the context (``prompt_param``) or the
-    prompt plus ``requested`` tokens would not fit (``param``).
+    Raises 400 ``context_length_exceeded`` (``errors.context_length_exceeded``, ``param`` the prompt's
+    field ``prompt_field``) when the prompt plus ``requested`` tokens (at least one) exceeds
+    ``max_model_len``.
     """
     room = max_model_len - num_prompt_tokens
-    if room <= 0:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                          f"{num_prompt_tokens} tokens.", param=prompt_param, code="context_length_exceeded")
-    if requested is not None and requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but you requested "
-            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for the "
-            f"output). Reduce the length of the prompt or {param}.",
-            param=param, code="context_length_exceeded")
-    return room if requested is None else requested
+    wanted = max(requested or 0, 1)
+    if wanted > room:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, wanted, prompt_field)
+    if requested is not None:
+        return requested
+    return room if default is None else min(default, room)
 
 
 def matched_stop(proc: OutputProcessor) -> str | None:

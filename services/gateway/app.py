@@ -143,7 +143,7 @@ def describe_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) ->
 
 
 def _card(gw: Gateway) -> dict:
-    return oai.model_card(gw.model.served_name, str(gw.model.path), gw.model.max_model_len)
+    return oai.model_card(gw.model.served_name, str(gw.model.path), gw.max_model_len)
 
 
 # GenAI semantic conventions' operation name per API route

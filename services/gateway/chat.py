@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.api_common import encode_messages_images
+from deepinfer.gateway.api_common import encode_messages_images, output_budget
 from deepinfer.gateway.config import ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, validation_error
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks,
@@ -100,7 +100,7 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids, images, embeddings_fp = await tokenize(gw, request_id, req)
-    sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len)
+    sampling = sampling_params(req, len(prompt_ids), gw.max_model_len)
     sampling.structured = structured
 
     n = req.n or 1
@@ -237,34 +237,16 @@ def logit_bias(req: oai.SamplingRequest, vocab_size: int | None) -> dict[int, fl
 
 
 def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_len: int,
-                    logprobs: bool | None = None, top_logprobs: int = 0, prompt_param: str = "messages",
+                    logprobs: bool | None = None, top_logprobs: int = 0, prompt_field: str = "messages",
                     default_max_tokens: int | None = None) -> SamplingParams:
     """The request's ``SamplingParams``; raises a 400 ``context_length_exceeded`` when the prompt
-    (or prompt + requested tokens) does not fit. ``logprobs``/``top_logprobs`` default to the
-    chat request's fields; ``default_max_tokens`` None = all the room left."""
+    plus the requested tokens does not fit (``api_common.output_budget``; ``prompt_field``: the
+    prompt's request field). ``logprobs``/``top_logprobs`` default to the chat request's fields;
+    ``default_max_tokens`` None = all the room left."""
     if logprobs is None:
         logprobs, top_logprobs = bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0
-    room = max_model_len - num_prompt_tokens
-    if room <= 0:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, "
-            f"but the {prompt_param} have {num_prompt_tokens} tokens.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
     name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-    requested = getattr(req, name)
-    if requested is None and default_max_tokens is not None:
-        requested = min(default_max_tokens, room)
-    if requested is not None and requested > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens, but you requested "
-            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, {requested} in the "
-            "completion). Reduce the length of the messages or the completion.",
-            param=name,
-            code="context_length_exceeded",
-        )
-    max_tokens = room if requested is None else requested
+    max_tokens = output_budget(max_model_len, num_prompt_tokens, getattr(req, name), prompt_field, default_max_tokens)
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
                           param="min_tokens")

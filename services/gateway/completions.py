@@ -35,7 +35,7 @@ from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.chat import (TRAFFIC_CLASS_HEADER, request_traffic_class, sampling_params,
                                     validate_sampling)
-from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, validation_error
+from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, validation_error
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
                                         new_choices, open_choices, raise_if_failed, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
@@ -62,8 +62,8 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompt_ids = await prompt_token_ids(req, gw)
     want_logprobs = req.logprobs is not None
-    sampling = sampling_params(req, len(prompt_ids), gw.model.max_model_len, logprobs=want_logprobs,
-                               top_logprobs=req.logprobs or 0, prompt_param="prompt",
+    sampling = sampling_params(req, len(prompt_ids), gw.max_model_len, logprobs=want_logprobs,
+                               top_logprobs=req.logprobs or 0, prompt_field="prompt",
                                default_max_tokens=DEFAULT_MAX_TOKENS)
     sampling.structured = structured
     choices = new_choices(gw, request_id, req.n or 1, req.stop_strings, traffic_class, req.cache_salt)
@@ -108,11 +108,10 @@ async def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]
     if isinstance(req.prompt, list):
         ids = list(req.prompt)
     else:  # a ``tokenizers.Tokenizer`` returns an Encoding; a transformers tokenizer, a list of ids
-        limit = gw.model.max_model_len * longest_token_chars(gw.model.tokenizer) * 4
+        limit = gw.max_model_len * longest_token_chars(gw.model.tokenizer) * 4
         if len(req.prompt) > limit:
-            raise bad_request(f"This model's maximum context length is {gw.model.max_model_len} tokens, but the "
-                              f"prompt has {len(req.prompt)} characters: more tokens than that.",
-                              param="prompt", code="context_length_exceeded")
+            raise context_length_exceeded(gw.max_model_len, gw.max_model_len, max(req.max_tokens or 0, 1), "prompt",
+                                          exact=False)
         enc = await asyncio.to_thread(gw.model.tokenizer.encode, req.prompt)
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
     if not ids:

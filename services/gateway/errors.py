@@ -55,6 +55,37 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
+class ContextLengthExceeded(OpenAIError):
+    """400 ``context_length_exceeded``: the prompt plus the completion asked for does not fit the
+    model's context. ``max_model_len``, ``prompt_tokens``, ``completion_tokens``: the numbers (tokens;
+    ``exact`` False: the prompt is only known to be longer than ``prompt_tokens``). ``message`` is
+    OpenAI's wording, ``anthropic_message`` Anthropic's; ``context_length_exceeded`` builds it."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, completion_tokens: int, field: str,
+                 exact: bool = True):
+        more = "" if exact else "more than "
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{more}{prompt_tokens + completion_tokens} tokens ({more}{prompt_tokens} in the {field}, "
+                   f"{completion_tokens} in the completion). Please reduce the length of the {field} or completion.")
+        super().__init__(400, message, "invalid_request_error", field, "context_length_exceeded")
+        self.max_model_len, self.prompt_tokens, self.completion_tokens = max_model_len, prompt_tokens, completion_tokens
+
+    @property
+    def anthropic_message(self) -> str:
+        if self.prompt_tokens > self.max_model_len:
+            return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_model_len} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + "
+                f"{self.completion_tokens} > {self.max_model_len}, decrease input length or `max_tokens` and try again")
+
+
+def context_length_exceeded(max_model_len: int, prompt_tokens: int, completion_tokens: int, field: str,
+                            exact: bool = True) -> ContextLengthExceeded:
+    """The one context-length error of every API: ``field`` names the prompt's request field
+    ("messages", "prompt", "input"): it is the error's ``param`` and the message's word for the
+    prompt. ``completion_tokens``: what the request asked for (at least one token)."""
+    return ContextLengthExceeded(max_model_len, prompt_tokens, completion_tokens, field, exact)
+
+
 def unavailable(message: str, code: str = "service_unavailable") -> OpenAIError:
     return OpenAIError(503, message, "server_error", None, code)
 

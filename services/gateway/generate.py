@@ -71,6 +71,16 @@ class Gateway:
     def required_roles(self) -> tuple[str, ...]:
         return REQUIRED_ROLES[self.config.mode]
 
+    @property
+    def max_model_len(self) -> int:
+        """The context requests are held to, in tokens (prompt + completion): the model's
+        (``--max-model-len``, else config.json), or less where a live worker that runs prompts
+        reports a smaller ``LoadReport.max_model_len`` (its own ``--max-model-len``, or a KV
+        cache that holds fewer tokens)."""
+        limits = [w.report.max_model_len for role in self.required_roles if role != "tokenizer"
+                  for w in self.registry.alive(role) if w.report.max_model_len > 0]
+        return min([self.model.max_model_len, *limits])
+
     def kv_index(self):
         """The kvindex client for prefix lookups (None before the mesh is connected)."""
         if self._kv_index is None and self.mesh is not None:

@@ -432,8 +432,7 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     prompt_ids, images, embeddings_fp = await encode_messages_images(
         gw, request_id, template_messages(req.instructions, context + new_items, len(context)), template_tools(req),
         param="input", terms=RESPONSES)
-    max_tokens = output_budget(gw.model.max_model_len, len(prompt_ids), req.max_output_tokens, "max_output_tokens",
-                               "input")
+    max_tokens = output_budget(gw.max_model_len, len(prompt_ids), req.max_output_tokens, "input")
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
