@@ -916,7 +916,8 @@ async def test_completions_with_the_official_client_streaming_and_not(gateway, w
         usage = chunk.usage or usage
     assert workers.prefill_requests[-1].prompt_token_ids == [1, 2, 3]
     assert workers.prefill_requests[-1].sampling.max_tokens == 4
-    assert text == TOKENIZER.decode([1, 2, 3]) + "Paris is lovely." and reasons[-1] == "length"
+    assert text == TOKENIZER.decode([1, 2, 3], skip_special_tokens=False) + "Paris is lovely."
+    assert reasons[-1] == "length"
     assert usage.prompt_tokens == 3 and usage.completion_tokens == len(encode("Paris is lovely."))
 
     script(text="x")
@@ -927,7 +928,9 @@ async def test_completions_with_the_official_client_streaming_and_not(gateway, w
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "suffix": "end"}, "suffix"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1, 2], [-1]]}, "prompt"),
+    ({"prompt": ["a"] * 65, "n": 2}, "prompt"),  # more than 128 choices
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),

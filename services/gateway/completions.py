@@ -1,13 +1,15 @@
-"""POST /v1/completions (OpenAI legacy completions): a raw prompt, no chat template.
+"""POST /v1/completions (OpenAI legacy completions): raw prompts, no chat template.
 
-The prompt is a string (encoded here with the model's tokenizer, as
-``tokenizer(prompt)`` would: its special tokens are parsed, since a raw prompt
-is the caller's own template) or a list of token ids. One prompt per request:
-a list of prompts is refused (400) rather than half-supported. ``echo``
-prepends the prompt's text; ``logprobs`` (0-5) fills the legacy ``logprobs``
-object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
-``echo`` with ``logprobs`` would need prompt logprobs and is refused, as are
-``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``. A
+``prompt`` is a string, a list of token ids, or a list of either (OpenAI's batch: one
+request per prompt). A string is encoded here with the model's tokenizer, as
+``tokenizer(prompt)`` would (its special tokens are parsed, since a raw prompt is the
+caller's own template). Each prompt gets ``n`` choices, in OpenAI's order: choice
+``index = prompt_i * n + j`` (at most ``MAX_CHOICES`` in all); usage sums the prompts' tokens
+once each and every choice's completion tokens. ``echo`` prepends the prompt (its text as
+sent, or its token ids decoded with their special tokens); ``logprobs`` (0-5) fills the
+legacy ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``); ``echo`` with ``logprobs`` would need prompt logprobs and is refused, as
+are ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``. A
 vision-language model's image placeholder token in a prompt (as an id, or as
 its text, which a raw prompt parses as the special token) is refused too: only
 an image may put it there, and this endpoint takes none.
@@ -37,7 +39,7 @@ from deepinfer.gateway.chat import (TRAFFIC_CLASS_HEADER, request_traffic_class,
                                     validate_sampling)
 from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, validation_error
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
-                                        new_choices, open_choices, raise_if_failed, usage_counts)
+                                        new_choices, open_prompts, raise_if_failed, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.structured import openai_spec
 from deepinfer.telemetry import get_logger
@@ -45,6 +47,7 @@ from deepinfer.telemetry import get_logger
 log = get_logger(__name__)
 
 MAX_LOGPROBS = 5
+MAX_CHOICES = 128  # prompts x n per request (each is a request through the mesh)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 _FIELD_NAMES = oai.field_names()
 
@@ -60,19 +63,25 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     structlog.contextvars.bind_contextvars(request_id=request_id)
     check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
-    prompt_ids = await prompt_token_ids(req, gw)
+    prompts = [await prompt_token_ids(p, req, gw) for p in prompt_list(req)]
     want_logprobs = req.logprobs is not None
-    sampling = sampling_params(req, len(prompt_ids), gw.max_model_len, logprobs=want_logprobs,
-                               top_logprobs=req.logprobs or 0, prompt_field="prompt",
-                               default_max_tokens=DEFAULT_MAX_TOKENS)
-    sampling.structured = structured
-    choices = new_choices(gw, request_id, req.n or 1, req.stop_strings, traffic_class, req.cache_salt)
+    samplings = []
+    for ids in prompts:
+        sampling = sampling_params(req, len(ids), gw.max_model_len, logprobs=want_logprobs,
+                                   top_logprobs=req.logprobs or 0, prompt_field="prompt",
+                                   default_max_tokens=DEFAULT_MAX_TOKENS)
+        sampling.structured = structured
+        samplings.append(sampling)
+    n = req.n or 1
+    choices = new_choices(gw, request_id, len(prompts) * n, req.stop_strings, traffic_class, req.cache_salt)
+    groups = [(choices[i * n:(i + 1) * n], ids, sampling) for i, (ids, sampling) in enumerate(zip(prompts, samplings))]
     try:
-        await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
+        await open_prompts(groups, request.is_disconnected)
     except ClientGone:
         return Response(status_code=499)
-    reply = _Completion(f"cmpl-{request_id}", int(time.time()), gw.model.served_name, req, prompt_ids, choices, gw,
-                        gw.model.tokenizer.decode(prompt_ids) if req.echo else "")
+    echoes = [echo_text(p, ids, gw) if req.echo else "" for p, ids in zip(prompt_list(req), prompts)]
+    reply = _Completion(f"cmpl-{request_id}", int(time.time()), gw.model.served_name, req, prompts, choices, gw,
+                        echoes)
     if req.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=headers)
@@ -82,37 +91,51 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
         return Response(status_code=499)
 
 
+def prompt_list(req: oai.CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one string or token-id list, or each of a list of them."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
+        return [p]
+    return list(p)
+
+
 def validate(req: oai.CompletionRequest, gw: Gateway) -> None:
     """400 for what this endpoint does not do or takes out of range (404 for an unknown model)."""
     if req.suffix is not None:
         raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
-    if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
-        raise bad_request("one prompt per request: send a string or a list of token ids", param="prompt")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
-    vocab = gw.model.vocab_size
-    if isinstance(req.prompt, list) and any(not 0 <= t < (vocab or 2**31) for t in req.prompt):
-        raise bad_request(f"prompt token ids must be in [0, {vocab or 2**31})", param="prompt")
     validate_sampling(req, gw.model)
+    prompts = prompt_list(req)
+    if len(prompts) * (req.n or 1) > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts times n), got "
+                          f"{len(prompts)} x {req.n or 1}", param="prompt")
+    vocab = gw.model.vocab_size or 2**31
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not p:
+            raise bad_request(f"{where} is empty", param="prompt")
+        if isinstance(p, list) and any(not 0 <= t < vocab for t in p):
+            raise bad_request(f"{where}: token ids must be in [0, {vocab})", param="prompt")
 
 
-async def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]:
-    """The prompt's ids: given, or a text prompt tokenized here, off the event loop (a long prompt
+async def prompt_token_ids(prompt: str | list[int], req: oai.CompletionRequest, gw: Gateway) -> list[int]:
+    """One prompt's ids: given, or a text prompt tokenized here, off the event loop (a long prompt
     there stalled every other request for as long as it took: minutes for 30 MiB). A text longer
     than any prompt that fits can be (``max_model_len`` tokens of the vocabulary's longest token,
-    with room for normalisation) is refused without tokenizing it."""
-    if isinstance(req.prompt, list):
-        ids = list(req.prompt)
+    with room for normalisation) is refused without tokenizing it. Raises 400."""
+    if isinstance(prompt, list):
+        ids = list(prompt)
     else:  # a ``tokenizers.Tokenizer`` returns an Encoding; a transformers tokenizer, a list of ids
         limit = gw.max_model_len * longest_token_chars(gw.model.tokenizer) * 4
-        if len(req.prompt) > limit:
+        if len(prompt) > limit:
             raise context_length_exceeded(gw.max_model_len, gw.max_model_len, max(req.max_tokens or 0, 1), "prompt",
                                           exact=False)
-        enc = await asyncio.to_thread(gw.model.tokenizer.encode, req.prompt)
+        enc = await asyncio.to_thread(gw.model.tokenizer.encode, prompt)
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
@@ -123,6 +146,11 @@ async def prompt_token_ids(req: oai.CompletionRequest, gw: Gateway) -> list[int]
                           "takes no images: send images as image_url parts to /v1/chat/completions",
                           param="prompt", code="image_token_without_image")
     return ids
+
+
+def echo_text(prompt: str | list[int], ids: list[int], gw: Gateway) -> str:
+    """What ``echo`` prepends: a text prompt as sent; token ids decoded, special tokens included."""
+    return prompt if isinstance(prompt, str) else gw.model.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 _LONGEST: dict[int, int] = {}  # id(tokenizer) -> its longest token, in characters of its vocabulary
@@ -137,16 +165,25 @@ def longest_token_chars(tokenizer) -> int:
 
 
 class _Completion:
-    """One completions response under construction (JSON or SSE)."""
+    """One completions response under construction (JSON or SSE): ``choices[k]`` answers
+    ``prompts[k // n]`` and starts with ``echoes[k // n]``."""
 
-    def __init__(self, cid: str, created: int, model: str, req: oai.CompletionRequest, prompt_ids: list[int],
-                 choices: list[Choice], gw: Gateway, echo: str):
+    def __init__(self, cid: str, created: int, model: str, req: oai.CompletionRequest, prompts: list[list[int]],
+                 choices: list[Choice], gw: Gateway, echoes: list[str]):
         self.id, self.created, self.model, self.req = cid, created, model, req
-        self.prompt_ids, self.choices, self.gw, self.echo = prompt_ids, choices, gw, echo
-        self.offsets = {c.index: len(echo) for c in choices}  # text_offset of the next token
+        self.prompts, self.choices, self.gw, self.echoes = prompts, choices, gw, echoes
+        self.n = req.n or 1
+        self.offsets = {c.index: len(self.echo(c)) for c in choices}  # text_offset of the next token
+
+    def echo(self, c: Choice) -> str:
+        return self.echoes[c.index // self.n]
 
     def usage(self) -> dict:
-        return oai.usage(*usage_counts(self.choices, len(self.prompt_ids)))
+        """Each prompt's tokens once, every choice's completion tokens; cached: per prompt, what all of
+        its choices found cached."""
+        counts = [usage_counts(self.choices[i * self.n:(i + 1) * self.n], len(ids))
+                  for i, ids in enumerate(self.prompts)]
+        return oai.usage(*(sum(col) for col in zip(*counts)))
 
     def logprobs(self, c: Choice, chunk) -> dict | None:
         """Legacy logprobs of the chunk's tokens (None when not asked)."""
@@ -179,16 +216,16 @@ class _Completion:
             raise http_error(e) from None
         finally:
             await abort_all(self.choices)
-        out = [oai.completion_choice(c.index, self.echo + "".join(c.parts), c.proc.finish_reason,
+        out = [oai.completion_choice(c.index, self.echo(c) + "".join(c.parts), c.proc.finish_reason,
                                      merged[c.index] if self.req.logprobs is not None else None)
                for c in self.choices]
         return oai.completion(self.id, self.created, self.model, out, self.usage())
 
     async def sse(self):
         try:
-            if self.echo:
-                for c in self.choices:
-                    yield _event(self._chunk(c.index, self.echo, None, None))
+            for c in self.choices:
+                if self.echo(c):
+                    yield _event(self._chunk(c.index, self.echo(c), None, None))
             try:
                 async with aclosing(chunks(self.choices)) as arriving:
                     async for c, chunk in arriving:

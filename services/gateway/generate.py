@@ -4,7 +4,8 @@ An API handler turns its request into a prompt (token ids), ``SamplingParams``
 and ``n``; ``open_choices`` submits the n choices (one ``RequestStream`` and
 ``OutputProcessor`` each: ids ``<id>-0`` .. ``<id>-<n-1>``, seeds
 ``seed + i``) and waits until every one has its first token, so errors can
-still be HTTP errors; ``chunks`` then yields ``(choice, chunk)`` as they
+still be HTTP errors (``open_prompts``: several prompts' choices at once, the
+legacy completions' list of prompts); ``chunks`` then yields ``(choice, chunk)`` as they
 arrive. Errors are ``OpenAIError`` (status, message, type, code); each API
 renders them in its own shape.
 
@@ -207,6 +208,23 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
         if isinstance(e, StreamError):
             raise http_error(e) from None
         raise
+
+
+async def open_prompts(groups: list[tuple[list[Choice], list[int], SamplingParams]], is_disconnected) -> None:
+    """``open_choices`` for several prompts at once (``groups``: each prompt's choices, token ids and
+    parameters); if any group fails, every choice of every group is aborted and its error raised."""
+    opened = [open_choices(choices, ids, sampling, is_disconnected) for choices, ids, sampling in groups]
+    everyone = [c for choices, _, _ in groups for c in choices]
+    try:
+        results = await asyncio.gather(*opened, return_exceptions=True)
+    except BaseException:  # cancelled: an await here could be cancelled too
+        for c in everyone:
+            spawn(c.stream.abort())
+        raise
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        await abort_all(everyone)
+        raise failed
 
 
 async def admit(choices: list[Choice], prompt_ids: list[int], sampling: SamplingParams) -> list[Plan | None]:
