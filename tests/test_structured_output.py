@@ -284,6 +284,23 @@ def test_tool_parameters_are_the_root_of_their_own_references_and_always_objects
             tool_call_grammar([("e", bad)])
 
 
+def test_forced_arguments_have_exactly_the_declared_properties(compiler, tok):
+    """Declared ``properties`` are all the arguments unless ``additionalProperties`` allows more: a
+    function with no parameters (none given, or no properties) takes ``{}`` only."""
+    def accepts(parameters, args) -> bool:
+        spec = {"type": "grammar", "lark": tool_call_grammar([("f", parameters)], parallel=False)}
+        ids = tok.encode(f"<tool_call>\n{json.dumps({'name': 'f', 'arguments': args})}\n</tool_call>")
+        return compiler.matcher(spec).validate(ids + [EOS]) == len(ids) + 1
+
+    for none in (None, {"type": "object", "properties": {}}, {"properties": {}}):
+        assert accepts(none, {}) and not accepts(none, {"x": 1}), none
+    city = {"type": "object", "properties": {"city": STR}}
+    assert accepts(city, {"city": "Paris"}) and accepts(city, {})
+    assert not accepts(city, {"city": "Paris", "country": "FR"})
+    assert accepts({**city, "additionalProperties": True}, {"city": "Paris", "country": "FR"})
+    assert accepts({**city, "additionalProperties": SMALL}, {"city": "Paris", "n": 3})
+
+
 # --- the engine on the real model --------------------------------------------------------------
 
 
@@ -437,12 +454,36 @@ def test_forced_tool_calls_and_auto_through_the_official_client(openai_client):
             reasons.append(ch.finish_reason)
             text += ch.delta.content or ""
     assert calls and reasons[-1] in ("tool_calls", "length")
-    assert text == "" or reasons[-1] == "length"  # no content around the calls (a cut call is text)
-    for call in calls[:-1] if reasons[-1] == "length" else calls:
+    assert text == ""  # no content around the calls (a call cut by max_tokens is dropped)
+    for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), by_name["get_weather"])
     # auto: this model writes text (its template does not show tools), so no call and "stop"/"length"
     r = _client_chat(openai_client, tools=[WEATHER], tool_choice="auto", max_tokens=24)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+
+
+PING = {"type": "function", "function": {"name": "ping", "description": "Check that the service is up"}}
+RESET = {"type": "function", "function": {"name": "reset", "description": "Reset the counter",
+                                          "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_forced_call_of_a_function_without_parameters_has_arguments_empty(openai_client):
+    for tools, choice in (([PING], "required"), ([RESET], "required"),
+                          ([WEATHER, RESET], {"type": "function", "function": {"name": "reset"}})):
+        r = _client_chat(openai_client, tools=tools, tool_choice=choice, parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [
+            (tools[-1]["function"]["name"], "{}")]
+    stream = _client_chat(openai_client, tools=[RESET], tool_choice="required", parallel_tool_calls=False,
+                          stream=True)
+    calls, reasons = [], []
+    for chunk in stream:
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            reasons.append(ch.finish_reason)
+    assert [(t.function.name, t.function.arguments) for t in calls] == [("reset", "{}")]
+    assert reasons[-1] == "tool_calls"
 
 
 def test_response_format_and_guided_fields_through_the_mesh_and_400_naming_the_feature(openai_client):

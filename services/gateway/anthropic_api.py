@@ -15,12 +15,13 @@ The conversation becomes OpenAI-shaped template messages for the tokenizer: ``sy
 message (prefixed ``Error: `` when ``is_error``). Tool calls are parsed from the output
 (``ToolCallParser``) into ``tool_use`` blocks (ids ``toolu_...``).
 
-Response: a ``message`` with content blocks, ``stop_reason`` = ``tool_use`` (a call was parsed),
-``stop_sequence`` (with ``stop_sequence`` set), ``max_tokens`` (the output limit), else
-``end_turn``; ``usage``: ``input_tokens`` = prompt tokens not read from cache (Anthropic's
-meaning), ``cache_read_input_tokens`` = prompt tokens found in the prefix cache,
-``cache_creation_input_tokens`` = 0 (caching is automatic, nothing is billed as a write),
-``output_tokens`` (the EOS token included, as chat completions counts it).
+Response: a ``message`` with content blocks, ``stop_reason`` = ``max_tokens`` (the output limit,
+calls before it or not: a call it cut is dropped), ``tool_use`` (a call was parsed),
+``stop_sequence`` (with ``stop_sequence`` set), else ``end_turn``; ``usage``: ``input_tokens`` =
+prompt tokens not read from cache (Anthropic's meaning), ``cache_read_input_tokens`` = prompt
+tokens found in the prefix cache, ``cache_creation_input_tokens`` = 0 (caching is automatic,
+nothing is billed as a write), ``output_tokens`` (the EOS token included, as chat completions
+counts it).
 
 Streaming: ``message_start``, ``ping``, then per block ``content_block_start`` /
 ``content_block_delta`` (``text_delta``; one ``input_json_delta`` with a call's whole input, as
@@ -454,12 +455,12 @@ class _Reply:
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence)."""
         proc = self.run.proc
+        if proc.finish_reason == "length":
+            return "max_tokens", None
         if self.run.assembler.calls:
             return "tool_use", None
         if proc.stopped_by_string:
             return "stop_sequence", matched_stop(proc)
-        if proc.finish_reason == "length":
-            return "max_tokens", None
         return "end_turn", None
 
     def usage(self, output_tokens: int | None = None) -> dict:

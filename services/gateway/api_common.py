@@ -185,8 +185,9 @@ class Assembler:
     def calls(self) -> list[ToolCall]:
         return [b.call for b in self.blocks if b.kind == "tool"]
 
-    def add(self, text: str, final: bool = False) -> list[Event]:
-        """Take generated text (``final``: the last of it); returns the events it completes."""
+    def add(self, text: str, final: bool = False, truncated: bool = False) -> list[Event]:
+        """Take generated text (``final``: the last of it; ``truncated``: the output was cut at
+        max_tokens, so a call still open is dropped); returns the events it completes."""
         events: list[Event] = []
         for piece in _pieces(text) if self.parser.enabled else [text]:
             out, calls = self.parser.feed(piece)
@@ -194,7 +195,7 @@ class Assembler:
             for call in calls:
                 self._call(call, events)
         if final and not self.finished:
-            self._text(self.parser.flush(), events)
+            self._text(self.parser.flush(truncated), events)
             self._finish(events)
         return events
 
@@ -299,7 +300,8 @@ async def run(r: Run, is_disconnected=None) -> AsyncIterator[list[Event]]:
             async for c, chunk in arriving:
                 raise_if_failed(chunk)
                 delta = c.proc.process(chunk)
-                yield r.assembler.add(delta.text, final=delta.finish_reason is not None)
+                yield r.assembler.add(delta.text, final=delta.finish_reason is not None,
+                                      truncated=delta.finish_reason == "length")
                 if delta.finish_reason:
                     await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
     except StreamError as e:

@@ -294,7 +294,7 @@ async def _collect(reply: _Reply, request: Request) -> dict:
                 text, _ = c.tool_parser.feed(delta.text)
                 c.parts.append(text)
                 if delta.finish_reason:
-                    c.parts.append(c.tool_parser.flush())
+                    c.parts.append(c.tool_parser.flush(truncated=delta.finish_reason == "length"))
                 c.logprobs += reply.logprobs(chunk) or []
                 if delta.finish_reason:
                     await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
@@ -347,7 +347,7 @@ async def _sse(reply: _Reply):
                     before = len(c.tool_parser.calls)
                     text, calls = c.tool_parser.feed(delta.text)
                     if delta.finish_reason:
-                        text += c.tool_parser.flush()
+                        text += c.tool_parser.flush(truncated=delta.finish_reason == "length")
                     message = {"content": text} if text else {}
                     if calls:
                         message["tool_calls"] = oai.tool_calls(calls, before, stream=True)

@@ -9,18 +9,25 @@ The model writes a call as JSON between tags, one object or a list of them::
 ``ToolCallParser`` takes the text deltas as they are produced and splits them
 into plain text (emitted as content) and completed calls. Text that could be
 the start of ``<tool_call>`` is held back until it is decided, so no part of
-a tag ever leaks into the content stream; a call is released only when its
-closing tag arrives (a stream then carries each call whole, in one delta, as
-vLLM's Hermes parser does at the end of a call). Malformed JSON between the
-tags is returned as text, unchanged. The same parser serves the OpenAI chat
-and Responses APIs and Anthropic Messages, each rendering calls its own way.
+a tag ever leaks into the content stream. A call's JSON is read by structure
+(``json.JSONDecoder.raw_decode`` from the opening tag): the call ends at the
+first ``</tool_call>`` after its JSON value, so a string value may hold any
+text, the closing tag included. A call is released only when that closing tag
+arrives (a stream then carries each call whole, in one delta, as vLLM's Hermes
+parser does at the end of a call). A malformed call (bad JSON, or text between
+the JSON and the closing tag) is returned as text, unchanged, up to the first
+closing tag outside a JSON string. A call still open when the output was cut
+at max_tokens is dropped: it is neither text nor a call. The same parser serves
+the OpenAI chat and Responses APIs and Anthropic Messages, each rendering calls
+its own way.
 
 ``tool_call_grammar`` is the same format as a grammar: when a request forces a
 call (``tool_choice`` "required" or a named function), the output is
 constrained to calls of the declared tools whose arguments are instances of
-their ``parameters`` schemas. Where the tokenizer has ``<tool_call>`` as one
-(added) token, llguidance matches the tag's literal with that token, as the
-model was trained to write it.
+their ``parameters`` schemas, with exactly the declared properties (no others
+unless the schema allows them with ``additionalProperties``). Where the
+tokenizer has ``<tool_call>`` as one (added) token, llguidance matches the
+tag's literal with that token, as the model was trained to write it.
 """
 
 from __future__ import annotations
@@ -49,12 +56,12 @@ class ToolCall:
         return json.loads(self.arguments)
 
 
-def _calls(body: str) -> list[ToolCall] | None:
-    """The calls in one tag's body, or None when it is not valid call JSON."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
+_DECODER = json.JSONDecoder()
+
+
+def _calls(data) -> list[ToolCall] | None:
+    """The calls in one tag's decoded JSON (a call object or a list of them), or None when it is
+    not call JSON."""
     items = data if isinstance(data, list) else [data]
     calls = []
     for item in items:
@@ -70,6 +77,38 @@ def _calls(body: str) -> list[ToolCall] | None:
             return None
         calls.append(ToolCall(item["name"], json.dumps(args, ensure_ascii=False)))
     return calls
+
+
+def _in_string(prefix: str) -> bool:
+    """Whether JSON text ``prefix`` ends inside a string (it is valid up to an unterminated string)."""
+    try:
+        _DECODER.raw_decode(prefix, len(prefix) - len(prefix.lstrip()))
+    except json.JSONDecodeError as e:
+        return e.msg.startswith("Unterminated string")
+    return False
+
+
+def _call_end(body: str) -> tuple[int, list[ToolCall] | None] | None:
+    """How the call whose text after ``<tool_call>`` is ``body`` ends: (length of ``body`` through
+    its closing tag, its calls or None when malformed), or None while undecided (more text needed).
+
+    The JSON value is decoded from the start; well-formed, it must be followed by whitespace and
+    the closing tag. Otherwise the call is malformed and ends at the first closing tag that is not
+    inside one of its JSON strings."""
+    if CLOSE not in body:
+        return None
+    try:
+        data, end = _DECODER.raw_decode(body, len(body) - len(body.lstrip()))
+    except json.JSONDecodeError:
+        data, end = None, None
+    if end is not None:
+        gap = len(body) - end - len(body[end:].lstrip())
+        if body.startswith(CLOSE, end + gap):
+            return end + gap + len(CLOSE), _calls(data)
+    close = body.find(CLOSE, end or 0)
+    while close >= 0 and end is None and _in_string(body[:close]):
+        close = body.find(CLOSE, close + 1)
+    return None if close < 0 else (close + len(CLOSE), None)
 
 
 class ToolCallParser:
@@ -99,27 +138,29 @@ class ToolCallParser:
                 self._emit(self._buf[: len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
-            end = self._buf.find(CLOSE, start)
-            if end < 0:  # inside a call: wait for its end
-                self._emit(self._buf[:start], out)
-                self._buf = self._buf[start:]
-                break
             self._emit(self._buf[:start], out)
-            body = self._buf[start + len(OPEN): end]
-            calls = _calls(body.strip())
+            self._buf = self._buf[start:]
+            found = _call_end(self._buf[len(OPEN):])
+            if found is None:  # inside a call: wait for its end
+                break
+            end, calls = found[0] + len(OPEN), found[1]
             if calls is None:
-                self._emit(self._buf[start: end + len(CLOSE)], out)
+                self._emit(self._buf[:end], out)
             else:
                 done += calls
                 self._ws = ""  # whitespace before this call (held) is dropped
-            self._buf = self._buf[end + len(CLOSE):]
+            self._buf = self._buf[end:]
         self.calls += done
         return "".join(out), done
 
-    def flush(self) -> str:
-        """End of generation: whatever is still held (an unclosed tag) is text; whitespace
-        after the last call is dropped."""
+    def flush(self, truncated: bool = False) -> str:
+        """End of generation: whatever is still held is text, except that whitespace after the last
+        call is dropped and, when ``truncated`` (the output was cut at max_tokens), a call still
+        open is dropped too (a cut call is not text). An open call at any other end (the model
+        stopped inside it) is a malformed call: text, unchanged."""
         rest, self._buf = self._buf, ""
+        if truncated and rest.startswith(OPEN):
+            rest = ""
         held, self._ws = self._ws or "", None
         return held + rest if rest.strip() else ("" if self.calls else held + rest)
 
@@ -140,11 +181,17 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def _object_schema(name: str, parameters: dict | None) -> dict:
-    """A tool's parameters as a schema of JSON objects (the parser takes object arguments only)."""
+    """A tool's parameters as a schema of JSON objects (the parser takes object arguments only).
+
+    Declared ``properties`` are the arguments the function takes: unless the schema says otherwise
+    with ``additionalProperties``, no other key is allowed (a forced call of a function declared
+    with no properties has arguments ``{}``, and a model cannot invent keys until max_tokens)."""
     if parameters is None:
         return NO_PARAMETERS
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise StructuredOutputError(f"tool {name!r}: parameters must be a JSON schema of type 'object'")
+    if "properties" in parameters:
+        parameters = {"additionalProperties": False, **parameters}
     return {**parameters, "type": "object"}
 
 
@@ -156,7 +203,8 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], parallel: bool = Tru
 
     Each tool's arguments are their own ``%json`` rule whose root is the tool's parameters schema,
     so every reference in it (``#``, ``#/properties/...``, ``#/$defs/...``) resolves as in the
-    schema itself. Parameters ``{}`` (or without a ``type``) mean a JSON object. Raises
+    schema itself. Parameters ``{}`` (or without a ``type``) mean a JSON object; with ``properties``
+    and no ``additionalProperties``, an object of those properties only. Raises
     StructuredOutputError (``engine.structured``) for parameters that are not an object schema.
     """
     rules = []
