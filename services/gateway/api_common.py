@@ -67,12 +67,14 @@ def field_names(*models: type[BaseModel]) -> set[str]:
 
 
 async def encode_messages_images(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
-                                 param: str = "messages", terms=None) -> tuple[list[int], list[list], str]:
+                                 param: str = "messages", terms=None, add_generation_prompt: bool = True
+                                 ) -> tuple[list[int], list[list], str]:
     """Render ``messages`` (OpenAI chat shape: role, content text or parts, tool_calls, tool_call_id)
     and ``tools`` (``{"type": "function", "function": {...}}``, or None) with the model's chat
     template on the tokenizer service. Image parts (``{"type": "image_url", "url"}``) are fetched,
     checked and encoded by the vision service first (``images.resolve_images``; ``terms``: the API's
-    words for images in errors, ``images.OPENAI`` by default). Returns (prompt ids,
+    words for images in errors, ``images.OPENAI`` by default). ``add_generation_prompt``: end with
+    the template's opening of the assistant's turn. Returns (prompt ids,
     ``[offset, length, content hash]`` per image, embeddings fingerprint).
 
     Raises 400 (a bad image, the template refused the messages, or the prompt is empty; ``param``
@@ -82,7 +84,7 @@ async def encode_messages_images(gw: Gateway, request_id: str, messages: list[di
     from deepinfer.gateway.images import OPENAI, resolve_images
 
     messages, fingerprint = await resolve_images(gw, request_id, messages, param, terms or OPENAI)
-    reply = await _encode(gw, request_id, messages, tools, param)
+    reply = await _encode(gw, request_id, messages, tools, param, add_generation_prompt)
     return list(reply.token_ids), [list(i) for i in reply.images], fingerprint
 
 
@@ -90,14 +92,14 @@ TOKENIZER_RETRY_AFTER_S = 3.0  # a tokenizer request unanswered this long is sen
 
 
 async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: list[dict] | None,
-                  param: str) -> EncodeChatReply:
+                  param: str, add_generation_prompt: bool = True) -> EncodeChatReply:
     """The tokenizer service's rendering of ``messages``. A request unanswered after
     ``TOKENIZER_RETRY_AFTER_S`` (at most half the timeout) is sent once more with what is left of
     ``tokenizer_timeout_s``: the queue group gave it to a replica that died with it (issue #13:
     killing one of two tokenizer workers under load failed its requests after the whole 10 s),
     and a dead replica's subscription is gone, so the retry reaches a live one. Encoding has no
     side effects: a slow first replica's late answer is simply dropped."""
-    msg = EncodeChatRequest(request_id, messages, tools=tools or None)
+    msg = EncodeChatRequest(request_id, messages, add_generation_prompt, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
     first = min(TOKENIZER_RETRY_AFTER_S, timeout / 2)
     with mesh_errors("tokenizer", "tokenizer", timeout, param), \

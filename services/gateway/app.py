@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
 (``completions.py``), POST /v1/responses + GET/DELETE /v1/responses/{id}
-(``responses_api.py``), POST /v1/messages (``anthropic_api.py``), GET /v1/models,
+(``responses_api.py``), POST /v1/messages (``anthropic_api.py``), POST /tokenize and
+POST /detokenize (vLLM's, ``tokenize_api.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
 worker are alive, else 503; the body counts live workers by role), GET /metrics
 (Prometheus text format: ``metrics.py``, docs/observability.md). GET /openapi.json describes them,
@@ -34,6 +35,8 @@ from deepinfer.gateway.errors import OpenAIError, install_error_handlers
 from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.responses_api import ResponsesRequest
 from deepinfer.gateway.responses_api import add_routes as add_responses_routes
+from deepinfer.gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
+from deepinfer.gateway.tokenize_api import add_routes as add_tokenize_routes
 from deepinfer.mesh import MeshClient
 from deepinfer.telemetry import extract_context, get_logger, tracer
 
@@ -42,7 +45,8 @@ log = get_logger(__name__)
 # POST routes -> the model their JSON body is parsed into (for the OpenAPI spec)
 REQUEST_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/completions": oai.CompletionRequest,
                   "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
-                  "/v1/messages/count_tokens": CountTokensRequest}
+                  "/v1/messages/count_tokens": CountTokensRequest, "/tokenize": TokenizeRequest,
+                  "/detokenize": DetokenizeRequest}
 
 
 def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI:
@@ -83,6 +87,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
 
     add_responses_routes(app, gw)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
     add_anthropic_routes(app, gw)  # POST /v1/messages, /v1/messages/count_tokens
+    add_tokenize_routes(app, gw)  # POST /tokenize, /detokenize
     describe_request_bodies(app, REQUEST_BODIES)
 
     @app.get("/v1/models")
