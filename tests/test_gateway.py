@@ -123,6 +123,7 @@ class FakeWorkers:
         await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_decode_submit, queue=subjects.DECODE_GROUP)
         await self.mesh.subscribe(subjects.decode_submit(DECODE_ID), self.on_decode_submit)
         await self.mesh.nc.subscribe(f"{subjects.PREFIX}.*.*.abort", cb=self.on_abort)
+        await self.mesh.nc.subscribe(f"{subjects.PREFIX}.*.abort", cb=self.on_abort)  # final aborts, to every worker
         self.beating.update({TOKENIZER_ID: "tokenizer", PREFILL_ID: "prefill", DECODE_ID: "decode"})
         self.tasks["heartbeat"] = asyncio.create_task(self.heartbeat())
         await self.mesh.nc.flush()
@@ -548,9 +549,9 @@ async def test_stop_strings_cut_text_identically_when_streaming(client, gateway,
     events = await stream_events(client, chat_body(gateway.model, stop=stop))
     assert streamed_text(events) == expected
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
-    if stop != ["zzz"]:  # generation was cut by the gateway: the decode worker is told to stop
+    if stop != ["zzz"]:  # generation was cut by the gateway: every decode worker is told it is over
         rid = workers.prefill_requests[-1].request_id
-        await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts)
+        await eventually(lambda: (subjects.DECODE_ABORT_ANY, rid) in workers.aborts)
 
 
 async def test_usage_block_counts_prompt_completion_and_cached_tokens(client, gateway, script):
@@ -701,7 +702,7 @@ async def test_worker_error_is_500_before_output_and_an_sse_error_after(client, 
     assert_openai_error(r, 500)
 
 
-async def test_client_disconnect_mid_stream_aborts_the_decode_worker(client, gateway, workers, script):
+async def test_client_disconnect_mid_stream_aborts_it_on_every_worker(client, gateway, workers, script):
     script(text="word " * 150, delay_s=0.02)
     async with client.stream("POST", "/v1/chat/completions", json=chat_body(gateway.model, stream=True)) as r:
         seen = 0
@@ -711,7 +712,8 @@ async def test_client_disconnect_mid_stream_aborts_the_decode_worker(client, gat
             if seen >= 4:
                 break
     rid = workers.prefill_requests[-1].request_id
-    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts, timeout=2)
+    await eventually(lambda: {(subjects.PREFILL_ABORT_ANY, rid), (subjects.DECODE_ABORT_ANY, rid)} <= set(workers.aborts),
+                     timeout=2)
 
 
 async def test_client_leaving_a_non_streaming_request_aborts_the_worker(gateway, workers, script):
@@ -720,7 +722,7 @@ async def test_client_leaving_a_non_streaming_request_aborts_the_worker(gateway,
         with pytest.raises(httpx.ReadTimeout):
             await c.post("/v1/chat/completions", json=chat_body(gateway.model))
     rid = workers.prefill_requests[-1].request_id
-    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts, timeout=2)
+    await eventually(lambda: (subjects.DECODE_ABORT_ANY, rid) in workers.aborts, timeout=2)
 
 
 # --- tracing -------------------------------------------------------------------------

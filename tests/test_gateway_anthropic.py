@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from deepinfer.protocol import subjects
 from gateway_harness import SMALL_BODY_LIMIT, client, gateway, nats_url, script, sse_events, workers  # noqa: F401
-from test_gateway import DECODE_ID, UNICODE_TEXT, encode, eventually, render
+from test_gateway import UNICODE_TEXT, encode, eventually, render
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -149,7 +149,7 @@ async def test_stop_sequence_cuts_the_text_reports_it_and_aborts_the_worker(clie
     assert streamed_text(events) == "The answer is "
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "42."}
     rid = workers.prefill_requests[-1].request_id
-    await eventually(lambda: (subjects.abort("decode", DECODE_ID), rid) in workers.aborts)
+    await eventually(lambda: (subjects.DECODE_ABORT_ANY, rid) in workers.aborts)
 
 
 # --- tools -------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
                             "decode-t", mock=MockConfig(cost=(0.001, 1e-6, 0.0, 0.0)), heartbeat_s=0.5)
     await service.start()
     client = await MeshClient.connect(nats_url, "handoff-test")
-    chunks: dict[str, list] = {"late": [], "normal": [], "gone": []}
+    chunks: dict[str, list] = {"late": [], "normal": [], "gone": [], "over": []}
     try:
         for rid in chunks:
             async def record(m, rid=rid):
@@ -57,6 +57,8 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
         abort = subjects.abort("decode", "decode-t")
         await client.publish(abort, AbortRequest("late", attempt=0))  # prefill gave up on its targeted handoff
         await client.publish(abort, AbortRequest("gone", attempt=-1))  # a gateway abort of an id not here
+        # the client left while the handoff was on its way: the gateway's final abort, to every worker
+        await client.publish(subjects.DECODE_ABORT_ANY, AbortRequest("over", final=True))
         await client.nc.flush()
         await asyncio.sleep(0.2)
 
@@ -65,9 +67,11 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
                                         expect=SubmitReply)
 
         late = await submit("late")
+        over = [await submit("over", attempt) for attempt in (0, 1, 100)]  # every attempt of it
         await asyncio.sleep(0.3)
         assert (late.accepted, late.error) == (False, "aborted")
         assert chunks["late"] == [] and "late" not in service.requests
+        assert [(r.accepted, r.error) for r in over] == [(False, "aborted")] * 3 and chunks["over"] == []
         retry = await submit("late", attempt=1)  # prefill's retry through the queue group landed here
         assert retry.accepted and service.requests["late"].attempt == 1
         await client.publish(abort, AbortRequest("late", attempt=0))  # a late copy of the first abort: no effect
@@ -75,8 +79,8 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
         await asyncio.sleep(0.5)
         assert "late" in service.requests and len(chunks["late"]) > 1
         assert normal.accepted and len(chunks["normal"]) > 1 and gone.accepted
-        for rid in ("late", "gone"):
-            await client.publish(abort, AbortRequest(rid))
+        await client.publish(abort, AbortRequest("late"))
+        await client.publish(subjects.DECODE_ABORT_ANY, AbortRequest("gone", final=True))  # any attempt running
         await client.publish(subjects.abort("decode", "decode-t"), AbortRequest("normal"))  # and drops them
         await client.nc.flush()
         for _ in range(100):
@@ -84,6 +88,126 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
                 break
             await asyncio.sleep(0.05)
         assert service.engine.block_manager.num_used_blocks == 0 and not service.requests
+        assert service.load_report().aborted_requests == 3
     finally:
         await client.close()
         await service.stop()
+
+
+# --- prefill's side: a busy decode worker delays a handoff, an abort stops it --------------------
+
+
+@pytest.fixture
+async def prefill(nats_url, tmp_path):
+    from deepinfer.prefill.service import PrefillService
+
+    service = PrefillService(nats_url, str(ensure_default_model(progress=False)), EngineConfig(), str(tmp_path / "kv"),
+                             "prefill-t", mock=MockConfig(cost=(0.001, 1e-6, 0.0, 0.0)), heartbeat_s=0.5)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+def prefill_request(request_id: str, decode_worker: str | None = None):
+    from deepinfer.protocol import PrefillRequest
+
+    return PrefillRequest(request_id, list(range(300, 340)), SamplingParams(max_tokens=8), subjects.stream(request_id),
+                          decode_worker=decode_worker)
+
+
+async def fake_decode_group(client: MeshClient, answers: list[bool], seen: list[DecodeRequest]) -> None:
+    """Answer queue-group handoffs in turn: ``answers[i]`` accepts or refuses ("no room") the i-th;
+    past the list, refuse."""
+    async def on_submit(req: DecodeRequest):
+        seen.append(req)
+        ok = answers[len(seen) - 1] if len(seen) <= len(answers) else False
+        return SubmitReply(accepted=ok, worker_id="decode-group", error="" if ok else "no room")
+
+    await client.subscribe(subjects.DECODE_SUBMIT, on_submit, queue=subjects.DECODE_GROUP)
+
+
+async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefill, nats_url):
+    client = await MeshClient.connect(nats_url, "handoff-test")
+    try:
+        async def busy(_req):  # the gateway's choice: too busy to answer in time
+            await asyncio.sleep(10)
+
+        await client.subscribe(subjects.decode_submit("decode-busy"), busy)
+        aborts: list[tuple[str, int]] = []
+        async def on_abort(m):
+            aborts.append(("decode-busy", unpack(m.data, expect=AbortRequest).attempt))
+
+        await client.nc.subscribe(subjects.abort("decode", "decode-busy"), cb=on_abort)
+        seen: list[DecodeRequest] = []
+        await fake_decode_group(client, [False, False, True], seen)
+        await client.nc.flush()
+        req = prefill_request("busy-1", decode_worker="decode-busy")
+        reply = await prefill.hand_off(req, decode_request("busy-1"))
+        assert reply.accepted and reply.worker_id == "decode-group"
+        assert [r.attempt for r in seen] == [1, 2, 3]  # each try a new attempt, after the targeted one (0)
+        assert aborts == [("decode-busy", 0)]  # the unanswered try was called off, that attempt only
+    finally:
+        await client.close()
+
+
+async def test_a_final_abort_stops_a_handoff_that_waits_for_a_decode_worker(prefill, nats_url):
+    client = await MeshClient.connect(nats_url, "handoff-test")
+    try:
+        seen: list[DecodeRequest] = []
+        await fake_decode_group(client, [], seen)  # every decode worker refuses: full
+        await client.nc.flush()
+
+        async def leave():
+            await asyncio.sleep(0.5)
+            await client.publish(subjects.PREFILL_ABORT_ANY, AbortRequest("gone-1", final=True))
+
+        asyncio.get_running_loop().create_task(leave())
+        t0 = asyncio.get_running_loop().time()
+        reply = await prefill.hand_off(prefill_request("gone-1"), decode_request("gone-1"))
+        assert reply is None and asyncio.get_running_loop().time() - t0 < 2.0
+        assert 1 <= len(seen) <= 5
+    finally:
+        await client.close()
+
+
+async def test_a_handoff_no_decode_worker_takes_fails_after_its_bound(prefill, nats_url, monkeypatch):
+    from deepinfer.mesh import MeshError
+    import deepinfer.prefill.service as prefill_service
+
+    monkeypatch.setattr(prefill_service, "HANDOFF_WAIT_S", 1.0)
+    client = await MeshClient.connect(nats_url, "handoff-test")
+    try:
+        seen: list[DecodeRequest] = []
+        await fake_decode_group(client, [], seen)
+        await client.nc.flush()
+        with pytest.raises(MeshError, match="no decode worker took the request within 1s .*no room"):
+            await prefill.hand_off(prefill_request("full-1"), decode_request("full-1"))
+        assert len(seen) >= 2
+    finally:
+        await client.close()
+
+
+async def test_a_concurrent_subscription_does_not_hold_messages_behind_a_slow_one(nats_url):
+    """Decode's submit subscriptions: a submit whose blocks load slowly holds up no other."""
+    client = await MeshClient.connect(nats_url, "concurrency-test")
+    try:
+        async def handler(msg: AbortRequest):  # (any message type: echoed back)
+            await asyncio.sleep(1.0 if msg.request_id == "slow" else 0.0)
+            return msg
+
+        await client.subscribe("test.serial", handler)
+        await client.subscribe("test.concurrent", handler, concurrent=True)
+        loop = asyncio.get_running_loop()
+        for subject, fast_within in (("test.concurrent", 0.5), ("test.serial", None)):
+            slow = loop.create_task(client.request(subject, AbortRequest("slow"), timeout=5))
+            await asyncio.sleep(0.1)
+            t0 = loop.time()
+            assert (await client.request(subject, AbortRequest("fast"), timeout=5)).request_id == "fast"
+            took = loop.time() - t0
+            assert (await slow).request_id == "slow"
+            if fast_within is not None:
+                assert took < fast_within
+            else:  # one at a time, in order: the fast one waited for the slow one
+                assert took > 0.8
+    finally:
+        await client.close()

@@ -231,6 +231,78 @@ def test_a_thousand_streams_cancelled_at_random_points_leave_no_kv_or_request_be
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
 
 
+STORM_N = 200
+STORM_CLOSE_S = (0.5, 8.0)  # each client leaves at a random time in this range (the prefill backlog: ~10 s)
+STORM_DRAIN_S = 5.0
+
+
+def failed_at_gateway(mesh: Mesh) -> float:
+    """Choices the gateway counted as finished with an error (any endpoint)."""
+    text = httpx.get(mesh.metrics_urls["gateway"], timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "deepinfer_requests_finished_total" and s.labels.get("finish_reason") == "error")
+
+
+def engine_counters(mesh: Mesh, role: str, name: str) -> dict[str, float]:
+    return {w: scrape(url).get(name, 0.0) for w, url in mesh.metrics_urls.items() if w.startswith(role)}
+
+
+def test_a_storm_of_disconnects_stops_every_request_where_it_is(mesh):
+    """200 streams at once (more than the decode workers batch comfortably), each closed by its
+    client 0.5-8 s in: queued at the gateway, in prefill, in the handoff or decoding. Within a few
+    seconds of the last close every worker is idle with its KV blocks free, no request decoded to
+    its end (each would take ~30 s: the decode engines' finished counters stay put), and none
+    failed on its way (the gateway counted no error finish)."""
+    url = mesh.gateway_url
+    baseline = worker_state(mesh)
+    finished_before = engine_counters(mesh, "decode", "deepinfer_engine_requests_finished_total")
+    errors_before = failed_at_gateway(mesh)
+    rng = random.Random(29)
+    plans = [(*streaming_body("chat", rng, i), rng.uniform(*STORM_CLOSE_S)) for i in range(STORM_N)]
+    counts = Counter()
+
+    async def run():
+        limits = httpx.Limits(max_connections=STORM_N * 2, max_keepalive_connections=STORM_N)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
+            async def one(path: str, body: dict, close_after: float) -> None:
+                async def read():
+                    async with client.stream("POST", path, json=body) as r:
+                        counts[f"http {r.status_code}"] += 1
+                        async for line in r.aiter_lines():
+                            counts["events"] += line.startswith("data: ")
+                        counts["ran to the end"] += 1
+                try:
+                    await asyncio.wait_for(read(), close_after)
+                except asyncio.TimeoutError:
+                    counts["closed"] += 1
+
+            await asyncio.gather(*(one(*p) for p in plans))
+
+    asyncio.run(run())
+    t_end = time.monotonic()
+    while True:
+        state = worker_state(mesh)
+        gateway = scrape(mesh.metrics_urls["gateway"])
+        drained = (all(state[w][0] <= baseline[w][0] and state[w][1:] == (0, 0) for w in state)
+                   and gateway["deepinfer_gateway_requests_running"] == 0)
+        if drained or time.monotonic() > t_end + STORM_DRAIN_S:
+            break
+        time.sleep(0.25)
+    drain_s = time.monotonic() - t_end
+    finished = engine_counters(mesh, "decode", "deepinfer_engine_requests_finished_total")
+    ran_to_end = {w: int(finished[w] - finished_before.get(w, 0)) for w in finished}
+    print(f"\ndisconnect storm: {STORM_N} streams at once, closed after {STORM_CLOSE_S} s: {dict(counts)}; "
+          f"idle after {drain_s:.2f} s: {drained} {({w: tuple(int(x) for x in s) for w, s in sorted(state.items())})}; "
+          f"decoded to the end per decode worker {ran_to_end}")
+    assert counts["closed"] == STORM_N and counts["http 200"] == counts.total() - counts["closed"] - counts["events"], \
+        counts  # (the status comes with the first token: a client gone before it saw none)
+    assert counts["events"] > 0  # some had tokens before leaving
+    assert drained, f"not idle {STORM_DRAIN_S} s after the last close: {state}"
+    assert sum(ran_to_end.values()) == 0, ran_to_end
+    assert failed_at_gateway(mesh) == errors_before
+
+
 # --- 4. overload ------------------------------------------------------------------------------
 
 OVERLOAD_SLO_S = 2.0

@@ -48,6 +48,7 @@ class EngineWorker(Service):
                                    ep_ranks) if is_moe(self.engine) else None)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
         self.requests: dict = {}  # request_id -> the request message, while it is in the engine
+        self.num_aborted = 0  # requests stopped here on an abort, since start
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
         self.async_engine: AsyncEngine | None = None
 
@@ -76,7 +77,8 @@ class EngineWorker(Service):
         """The engine's load now (runs on the service's loop while the engine thread steps:
         reads counters and ``queued_prefill``, which are safe to read from here)."""
         if self.engine.engine_kind == "vllm":  # no cost model / block manager of ours
-            return LoadReport(role=self.role, worker_id=self.worker_id, **self.engine.load_fields())
+            return LoadReport(role=self.role, worker_id=self.worker_id, aborted_requests=self.num_aborted,
+                              **self.engine.load_fields())
         e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
         queued_tokens, queued_s = e.queued_prefill()
         swa = getattr(e, "swa_cache", None)
@@ -92,7 +94,8 @@ class EngineWorker(Service):
                           computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total,
                           prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
                           swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
-                          swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len)
+                          swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len,
+                          aborted_requests=self.num_aborted)
 
     async def metric_families(self) -> list:
         """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""

@@ -70,6 +70,7 @@ class MeshClient:
 
     def __init__(self, nc: nats.NATS):
         self.nc = nc
+        self._handler_tasks: set[asyncio.Task] = set()  # handlers of ``concurrent`` subscriptions
 
     @property
     def reconnects(self) -> int:
@@ -138,10 +139,14 @@ class MeshClient:
             raise ProtocolError(f"expected {expect.__name__}, got {type(out).__name__}")
         return out
 
-    async def subscribe(self, subject: str, handler: Handler, queue: str = "", span_name: str | None = None):
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "", span_name: str | None = None,
+                        concurrent: bool = False):
         """Run ``handler(message)`` for each message; reply with its return value if asked.
 
         ``queue``: NATS queue group, so one replica of a service gets each message.
+        ``concurrent``: each message's handler runs as its own task, so a slow one (e.g. a
+        submit whose KV blocks load from the storage tier) does not hold up the messages
+        behind it; by default a subscription's messages are handled one at a time, in order.
         """
         name = span_name or subject
         handler = timed_handler(handler, name)  # deepinfer_nats_handler_seconds
@@ -168,6 +173,14 @@ class MeshClient:
                         await self._reply(raw, result)
             finally:
                 otel_context.detach(token)
+
+        if concurrent:
+            run_one = cb
+
+            async def cb(raw):  # noqa: F811 (the subscription's callback starts a task per message)
+                task = asyncio.get_running_loop().create_task(run_one(raw))
+                self._handler_tasks.add(task)
+                task.add_done_callback(self._handler_tasks.discard)
 
         return await self.nc.subscribe(subject, queue=queue, cb=cb)
 

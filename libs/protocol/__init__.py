@@ -34,3 +34,4 @@ from deepinfer.protocol.messages import (  # noqa: F401
     unpack,
 )
 from deepinfer.protocol import subjects  # noqa: F401
+from deepinfer.protocol.aborts import AbortLedger  # noqa: F401

@@ -238,10 +238,15 @@ class AbortRequest:
 
     attempt: only the prefill submit with this ``PrefillRequest.attempt`` (a targeted submit
     that timed out, so a later attempt of the same request may still land on this worker), or
-    the decode handoff with this ``DecodeRequest.attempt`` (prefill's, likewise); -1 = any attempt."""
+    the decode handoff with this ``DecodeRequest.attempt`` (prefill's, likewise); -1 = any attempt.
+    final: the request is over (its client left, a stop string ended it): every copy of it
+    stops, whatever its attempt, and any submit or handoff of it that arrives later is refused.
+    The gateway broadcasts final aborts to every prefill and decode worker, so they reach the
+    request wherever it is (queued, running, in a handoff between two workers)."""
 
     request_id: str
     attempt: int = -1
+    final: bool = False
 
 
 @message
@@ -355,6 +360,8 @@ class LoadReport:
     # the longest sequence (prompt + output, tokens) the worker's engine runs (0 = not said): the
     # gateway holds requests to the smallest among live workers (``Gateway.max_model_len``)
     max_model_len: int = 0
+    # since start: requests this worker stopped on an abort (client gone, stop string, moved away)
+    aborted_requests: int = 0
 
 
 @message

@@ -204,6 +204,8 @@ def load_report_families(r) -> list:
         _counter("deepinfer_engine_busy_seconds_total", "Seconds spent in forward passes", r.busy_s),
         _counter("deepinfer_engine_requests_finished_total", "Requests finished (or handed off) by the engine",
                  r.finished_requests),
+        _counter("deepinfer_requests_aborted_total", "Requests stopped on an abort (client gone, stop string, moved)",
+                 r.aborted_requests),
         _counter("deepinfer_engine_computed_tokens_total", "Tokens fed through the model (not cache hits)",
                  r.computed_tokens),
         _counter("deepinfer_engine_prefix_hit_tokens_total",

@@ -29,15 +29,16 @@ Lifecycle of a request in this service:
   4. Every step appends one token per running request; each step's tokens are
      published on the request's stream subject, the last chunk with its
      finish reason; the request's blocks are freed.
-An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` (client gone,
-stop string matched, the gateway moved the request elsewhere, prefill gave up
-waiting for this worker's answer to a handoff) removes the request and frees its
-KV blocks. An abort of one handoff attempt (``AbortRequest.attempt``: prefill's
-targeted handoff that timed out) that arrives before that submit (still queued
-behind other submits) is remembered and the submit refused: prefill has handed
-the request to the queue group by then, and a second copy would stream on the
-same subject until its last token. Later attempts of the request (prefill's
-retry through the queue group, the gateway's resumes) may still land here.
+An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` or the broadcast
+``deepinfer.decode.abort`` removes the request and frees its KV blocks at the
+engine's next step boundary: a final one (client gone, stop string matched)
+whatever its attempt, otherwise the attempt it names (the gateway moved the
+request elsewhere, prefill gave up waiting for this worker's answer to a
+handoff). An abort that finds nothing to stop is remembered (``AbortLedger``) and
+a later submit it covers refused: a handoff still on its way when the client
+left, or one attempt that prefill has already handed to the queue group (a
+second copy would stream on the same subject until its last token). Submits are
+handled concurrently, so one whose blocks load slowly holds up no other.
 Draining (SIGTERM): the queue-group subscription is drained first, so new work
 goes to other workers; a submit on this worker's own subject is refused with
 "draining" (the sender tries another worker); running requests finish.
@@ -46,8 +47,6 @@ goes to other workers; a submit on this worker's own subject is refused with
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
-
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
@@ -57,13 +56,10 @@ from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore import KVIndexClient, block_hashes
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
-from deepinfer.protocol import AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
+from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
-
-ABORTED_MEMORY = 4096  # (request id, handoff attempt) aborted before their submit arrived: refused
-
 
 def is_ephemeral(key: str) -> bool:
     return key.startswith("eph-")  # ``kvstore.ephemeral_key``
@@ -80,15 +76,16 @@ class DecodeService(EngineWorker):
 
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
-        self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()  # attempts aborted before arriving
+        self.aborted = AbortLedger()  # aborts that came before their submit
         self.offsets: dict[str, int] = {}  # request id -> its output tokens streamed so far (``TokenChunk.offset``)
         self.start_engine()
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
         self._tasks: set[asyncio.Task] = set()  # prompt blocks being written to the storage tier
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
-        self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit,
-                                                     queue=subjects.DECODE_GROUP, span_name="decode.submit"))
-        await self.mesh.subscribe(subjects.decode_submit(self.worker_id), self.on_submit, span_name="decode.submit")
+        self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit, queue=subjects.DECODE_GROUP,
+                                                     span_name="decode.submit", concurrent=True))
+        await self.mesh.subscribe(subjects.decode_submit(self.worker_id), self.on_submit, span_name="decode.submit",
+                                  concurrent=True)
         await self.mesh.subscribe(subjects.abort(self.role, self.worker_id), self.on_abort, span_name="decode.abort")
         await self.mesh.subscribe(subjects.DECODE_ABORT_ANY, self.on_abort, span_name="decode.abort")
 
@@ -98,7 +95,7 @@ class DecodeService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if req.request_id in self.requests:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
-        if (req.request_id, req.attempt) in self.aborted:
+        if self.aborted.refuses(req.request_id, req.attempt):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         if req.kv_block_keys and req.block_size != self.engine.config.block_size:
             return SubmitReply(accepted=False, worker_id=self.worker_id,
@@ -164,15 +161,19 @@ class DecodeService(EngineWorker):
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
-        if running is not None and msg.attempt in (-1, running.attempt):
+        if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
             del self.requests[msg.request_id]
             self.offsets.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
-        elif msg.attempt >= 0:  # that attempt is not here (yet): refuse its submit if it arrives late
-            self.aborted[(msg.request_id, msg.attempt)] = None
-            while len(self.aborted) > ABORTED_MEMORY:
-                self.aborted.popitem(last=False)
+            self.num_aborted += 1
+            if not msg.final:
+                return
+        # not here (yet), or over for good: refuse a submit that comes later. (An abort of any
+        # attempt that is not final is the gateway moving the request away: a later resume may
+        # come back here.)
+        if msg.final or msg.attempt >= 0:
+            self.aborted.record(msg)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:

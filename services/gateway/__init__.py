@@ -48,16 +48,17 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  a matched stop string -> 8.
  8. FINISH       [chat._sse, chat._collect] Final SSE chunk (+ usage chunk)
                  and ``data: [DONE]``, or the ChatCompletion JSON. If the
-                 worker is still running (stop string) it gets an
+                 worker is still running (stop string) it gets a final
                  ``AbortRequest``; the stream subscription is dropped.
 
 Failure exits, from any of 5-7: the watched worker misses its heartbeats (3
 intervals, at least 3 s), no chunk arrives for the inactivity timeout (60 s),
 or the worker reports finish_reason "error" / "abort" -> HTTP 503 / 500 if
 nothing was sent, else an SSE ``data: {"error": {...}}`` event and the stream
-closes. The client disconnecting -> ``AbortRequest`` to
-``deepinfer.<role>.<worker_id>.abort`` of the current worker (mid-handoff, also
-to the decode worker once it shows up).
+closes. The client disconnecting (or a stop string) -> a final ``AbortRequest``
+broadcast on ``deepinfer.prefill.abort`` and ``deepinfer.decode.abort``: every
+worker stops the request at its next step boundary wherever it is (queued,
+running, mid-handoff) and refuses a submit of it that arrives later.
 
 Modules: router (prefill / decode routing), admission (429s), dispatch (submit
 with fallbacks), app (routes, lifespan, root span), chat (the handler), openai_schema

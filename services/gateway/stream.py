@@ -158,7 +158,6 @@ class RequestStream:
         self._next_check_at = 0.0
         self._queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sub = None
-        self._chasing = False
         # failover (set by ``open``): what a re-dispatch or a resume is built from
         self.prompt_token_ids: list[int] = []
         self.sampling: SamplingParams | None = None
@@ -240,24 +239,16 @@ class RequestStream:
             return chunk
 
     async def abort(self) -> None:
-        """Tell the current worker to drop the request (stop string matched, client gone).
-
-        Mid-handoff the decode worker is not known yet: keep listening (in the
-        background) for up to ``handoff_s`` and abort it too when it shows up.
-        """
-        if self._chasing:
-            return  # the background chase owns the subscription and closes it
-        if self.phase is Phase.FINISHED or not self.worker_id:
+        """End the request for good (stop string matched, client gone): a final ``AbortRequest``
+        to every prefill and every decode worker, so it stops wherever it is (queued, running,
+        in a submit whose reply is still on its way, in a handoff between two workers) and a
+        submit of it that arrives later is refused. A no-op once the request has finished."""
+        if self.phase is Phase.FINISHED:
             await self.close()
             return
-        handing_off = self.phase in (Phase.PREFILL, Phase.HANDOFF)
         self.phase = Phase.FINISHED
-        await self._publish_abort(self.worker_role, self.worker_id)
-        if handing_off:
-            self._chasing = True
-            spawn(self._abort_late_decode(self.worker_id))
-        else:
-            await self.close()
+        await self.close()
+        await self._publish_final_abort()
 
     async def close(self) -> None:
         if self._sub is not None:
@@ -518,17 +509,11 @@ class RequestStream:
         except Exception as e:  # NATS down: the worker finishes on its own (max_tokens)
             log.warning("abort_failed", request_id=self.request_id, to=worker_id, error=str(e))
 
-    async def _abort_late_decode(self, prefill_worker: str) -> None:
-        deadline = self.clock() + self.timeouts.handoff_s
+    async def _publish_final_abort(self) -> None:
+        msg = AbortRequest(self.request_id, final=True)
         try:
-            while (left := deadline - self.clock()) > 0:
-                try:
-                    chunk = await asyncio.wait_for(self._queue.get(), left)
-                except asyncio.TimeoutError:
-                    return
-                if chunk.role == "decode" and chunk.worker_id != prefill_worker:
-                    if chunk.finish_reason is None:
-                        await self._publish_abort("decode", chunk.worker_id)
-                    return
-        finally:
-            await self.close()
+            for subject in (subjects.PREFILL_ABORT_ANY, subjects.DECODE_ABORT_ANY):
+                await self.mesh.publish(subject, msg)
+            log.info("abort_sent", request_id=self.request_id, to="every worker")
+        except Exception as e:  # NATS down: the workers finish on their own (max_tokens)
+            log.warning("abort_failed", request_id=self.request_id, error=str(e))

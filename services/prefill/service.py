@@ -30,13 +30,18 @@ Lifecycle of a request in this service:
   5. ``DecodeRequest`` to the decode worker the gateway chose
      (``PrefillRequest.decode_worker``: ``deepinfer.decode.<worker_id>.submit``),
      else, or if that one refuses or does not answer in ``TARGET_HANDOFF_TIMEOUT_S``,
-     to ``deepinfer.decode.submit`` (any decode worker); if no decode worker
-     takes it, the request ends with an error chunk.
-An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` (or the broadcast
-``deepinfer.prefill.abort``, sent when a submit's reply was lost) drops a request
-still queued or running here; an id aborted before its submit arrives is refused,
-and one aborted after its first token (the gateway resumed it on a decode worker
-itself) is not handed off.
+     to ``deepinfer.decode.submit`` (any decode worker), again and again (each try
+     a new attempt, the unanswered one aborted) while decode workers are busy or
+     refuse, for up to ``HANDOFF_WAIT_S``: a busy decode worker delays a handoff,
+     it does not fail it. If no decode worker takes it by then, the request ends
+     with an error chunk.
+An ``AbortRequest`` on ``deepinfer.prefill.<worker_id>.abort`` or the broadcast
+``deepinfer.prefill.abort`` (the gateway's final aborts, and those sent when a
+submit's reply was lost) drops a request still queued or running here at the
+engine's next step boundary; an abort that finds nothing to stop is remembered
+(``AbortLedger``): a submit it covers is refused when it arrives, and a request
+aborted after its first token (the client left; the gateway resumed it on a
+decode worker itself) is not handed off, nor tried again.
 Draining (SIGTERM): the queue-group subscription is drained first (new work goes to
 other workers), a submit on this worker's own subject is refused with "draining"
 (the gateway tries another worker), queued and running requests finish and are
@@ -49,8 +54,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import OrderedDict
-
 import structlog
 import torch
 from opentelemetry import context as otel_context
@@ -61,26 +64,30 @@ from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephe
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
-from deepinfer.protocol import (AbortRequest, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError, SubmitReply,
+from deepinfer.protocol import (AbortLedger, AbortRequest, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError, SubmitReply,
                                 TokenChunk, subjects)
 from deepinfer.telemetry import get_logger, record_span, tracer
 
 log = get_logger(__name__)
 
-HANDOFF_TIMEOUT_S = 10.0
+HANDOFF_TIMEOUT_S = 5.0  # one try through the decode queue group
 TARGET_HANDOFF_TIMEOUT_S = 3.0  # the gateway's chosen decode worker, before the queue group
-ABORTED_MEMORY = 4096  # (request id, attempt) pairs remembered as aborted
+# a handoff's whole wait for a decode worker, below the gateway's own bound on a handoff (its
+# ``handoff_s``: after that it resumes the request on a decode worker itself)
+HANDOFF_WAIT_S = 12.0
+HANDOFF_RETRY_S = (0.1, 1.0)  # pause before trying again after a refusal: first, doubling up to the last
+# handoff attempts stay below the numbers the gateway gives its own resumes (100 and up)
+HANDOFF_MAX_ATTEMPTS = 50
 
 
 class PrefillService(EngineWorker):
     role = "prefill"
     prefill_only = True
-    drain_timeout_s = HANDOFF_TIMEOUT_S
+    drain_timeout_s = HANDOFF_WAIT_S
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # (request id, attempt or -1 = any) aborted before they arrived
-        self.aborted: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.aborted = AbortLedger()  # aborts that found nothing to stop (yet)
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
         self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
         self.queued_at: dict[str, float] = {}  # request id -> perf_counter when the engine got it
@@ -147,19 +154,21 @@ class PrefillService(EngineWorker):
                 finish_reason="error", error=f"prefill failed: {e}"))
 
     def was_aborted(self, req: PrefillRequest) -> bool:
-        return (req.request_id, -1) in self.aborted or (req.request_id, req.attempt) in self.aborted
+        return self.aborted.refuses(req.request_id, req.attempt)
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
-        if running is not None and msg.attempt in (-1, running.attempt):
+        if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
             del self.requests[msg.request_id]
             self.trace_contexts.pop(msg.request_id, None)
             self.queued_at.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
-        else:  # not here (yet), or another attempt: refuse it if its submit arrives late
-            self.aborted[(msg.request_id, msg.attempt)] = None
-            while len(self.aborted) > ABORTED_MEMORY:
-                self.aborted.popitem(last=False)
+            self.num_aborted += 1
+            if not msg.final:
+                return
+        # not here (yet), past its first token (storing its blocks, handing off), or over for good:
+        # refuse its submit if it arrives late, and do not hand it off
+        self.aborted.record(msg)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -289,34 +298,52 @@ class PrefillService(EngineWorker):
             )
             with tracer().start_as_current_span("prefill.handoff") as span:
                 reply = await self.hand_off(req, handoff)
-                span.set_attribute("deepinfer.decode_worker", reply.worker_id)
-            if not reply.accepted:
-                raise MeshError(f"decode refused: {reply.error}")
+                span.set_attribute("deepinfer.decode_worker", reply.worker_id if reply else "")
+            if reply is None:  # aborted while it waited for a decode worker
+                log.info("handoff_stopped_aborted", request_id=req.request_id)
+                return
         except Exception as e:
             log.warning("handoff_failed", request_id=req.request_id, error=str(e))
             await self.mesh.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
                 finish_reason="error", error=f"handoff to decode failed: {e}"))
 
-    async def hand_off(self, req: PrefillRequest, handoff: DecodeRequest) -> SubmitReply:
-        """Submit to ``req.decode_worker`` if set; on refusal or no answer, to the queue group."""
-        if req.decode_worker:
+    async def hand_off(self, req: PrefillRequest, handoff: DecodeRequest) -> SubmitReply | None:
+        """Submit to ``req.decode_worker`` if set, else (and after it refuses or does not answer)
+        to the decode queue group, each try a new ``attempt``, until a decode worker accepts it.
+
+        A try without an answer in time is aborted (that attempt only: the next one may land on
+        the same worker). Returns the accepting reply, or None once the request was aborted
+        (the client left). Raises MeshError when no decode worker took it in ``HANDOFF_WAIT_S``.
+        """
+        deadline = time.monotonic() + HANDOFF_WAIT_S
+        target, attempt, why = req.decode_worker, handoff.attempt, ""
+        backoff = HANDOFF_RETRY_S[0]
+        while True:
+            subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
+            timeout = TARGET_HANDOFF_TIMEOUT_S if target else HANDOFF_TIMEOUT_S
+            timeout = max(0.1, min(timeout, deadline - time.monotonic()))
+            pause = backoff
             try:
-                reply = await self.mesh.request(subjects.decode_submit(req.decode_worker), handoff,
-                                                TARGET_HANDOFF_TIMEOUT_S, expect=SubmitReply)
+                reply = await self.mesh.request(subject, dataclasses.replace(handoff, attempt=attempt), timeout,
+                                                expect=SubmitReply)
                 if reply.accepted:
                     return reply
-                why = f"refused: {reply.error}"
+                why = f"decode worker {reply.worker_id} refused: {reply.error}"
             except RequestTimeout:
-                # NOTE: this attempt only: the queue group below may pick the same (slow) worker
-                await self.mesh.publish(subjects.abort("decode", req.decode_worker),
-                                        AbortRequest(req.request_id, handoff.attempt))
-                why = "no answer in time"
+                await self.mesh.publish(subjects.abort("decode", target) if target else subjects.DECODE_ABORT_ANY,
+                                        AbortRequest(req.request_id, attempt))
+                why, pause = f"no answer on {subject} within {timeout:.1f}s", 0.0
             except (MeshError, ProtocolError) as e:
                 why = f"{type(e).__name__}: {e}"
-            log.info("decode_target_fallback", request_id=req.request_id, worker=req.decode_worker, reason=why)
-        return await self.mesh.request(subjects.DECODE_SUBMIT, dataclasses.replace(handoff, attempt=handoff.attempt + 1),
-                                       HANDOFF_TIMEOUT_S, expect=SubmitReply)
+            if self.was_aborted(req):
+                return None
+            if time.monotonic() + pause >= deadline or attempt + 1 >= HANDOFF_MAX_ATTEMPTS:
+                raise MeshError(f"no decode worker took the request within {HANDOFF_WAIT_S:.0f}s ({why})")
+            log.info("handoff_retry", request_id=req.request_id, attempt=attempt, reason=why)
+            target, attempt = None, attempt + 1
+            await asyncio.sleep(pause)
+            backoff = min(2 * backoff, HANDOFF_RETRY_S[1])
 
     async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
         """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
