@@ -113,6 +113,7 @@ class FakeWorkers:
     aborts: list[tuple[str, str]] = field(default_factory=list)  # (subject, request_id)
     trace_ids: list[tuple[str, int]] = field(default_factory=list)  # (handler, trace_id)
     beating: dict[str, str] = field(default_factory=dict)  # worker_id -> role
+    report_fields: dict[str, dict] = field(default_factory=dict)  # worker_id -> more LoadReport fields
     zombies: list[asyncio.Task] = field(default_factory=list)
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
@@ -136,7 +137,8 @@ class FakeWorkers:
         while True:
             for worker_id, role in list(self.beating.items()):
                 report = LoadReport(role=role, worker_id=worker_id, interval_s=HEARTBEAT_S,
-                                    fingerprint=FINGERPRINT, block_size=BLOCK_SIZE)
+                                    fingerprint=FINGERPRINT, block_size=BLOCK_SIZE,
+                                    **self.report_fields.get(worker_id, {}))
                 await self.mesh.publish(subjects.load(role, worker_id), report)
             await asyncio.sleep(HEARTBEAT_S)
 
@@ -716,6 +718,22 @@ async def test_client_disconnect_mid_stream_aborts_it_on_every_worker(client, ga
                      timeout=2)
 
 
+async def test_a_full_decode_worker_gets_requests_refused_up_front_with_429(client, gateway, workers, script):
+    script(text="fine")
+    workers.report_fields[DECODE_ID] = {"kv_tokens_used": 1000, "kv_tokens_capacity": 1000}
+    try:
+        await asyncio.sleep(3 * HEARTBEAT_S)
+        submitted = len(workers.prefill_requests)
+        r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "decode_full" and len(workers.prefill_requests) == submitted
+    finally:
+        workers.report_fields.pop(DECODE_ID)
+    await asyncio.sleep(3 * HEARTBEAT_S)
+    r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine"
+
+
 async def test_client_leaving_a_non_streaming_request_aborts_the_worker(gateway, workers, script):
     script(text="word " * 150, delay_s=0.02)
     async with httpx.AsyncClient(base_url=gateway.url, timeout=0.5) as c:
@@ -935,7 +953,7 @@ async def test_completions_with_the_official_client_streaming_and_not(gateway, w
     ({"prompt": ["a"] * 65, "n": 2}, "prompt"),  # more than 128 choices
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logprobs": 9}, "logprobs"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"prompt": [-1, 5]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": 5}, "prompt"),

@@ -180,7 +180,35 @@ def test_decode_prefers_fewer_requests_and_less_kv_and_never_exceeds_capacity():
     assert "d-full" not in picks  # 500 tokens free < 1064 needed
     held = {w: picks.count(w) + (w == "d-idle") for w in ("d-busy", "d-idle")}
     assert held["d-idle"] * 1064 + 1000 <= 10_000 and held["d-busy"] * 1064 + 2000 <= 10_000
-    assert picks[-1] is None  # everyone is full: the queue group (a worker's scheduler waits)
+    assert picks[-1] is None  # everyone is full: admission refuses (``Admission.check_decode``)
+
+
+def test_decode_takes_no_more_than_a_batch_and_its_queue_bound():
+    _, router, _ = setup(decode("d", kv_tokens_capacity=10**6, active_requests=60, waiting_requests=2))
+    router.config.decode_max_seqs, router.config.decode_max_waiting = 64, 4
+    shape = PromptShape(num_tokens=10, max_tokens=8)
+    picks = [router.choose_decode(shape, f"r{i}", until=2e9) for i in range(8)]
+    assert picks == ["d"] * 6 + [None] * 2  # 62 in its report + 6 booked = 64 + 4
+
+
+def test_admission_refuses_up_front_when_no_decode_worker_has_room():
+    _, router, _ = setup(prefill("p"), decode("d", kv_tokens_used=900, kv_tokens_capacity=1000))
+    admission = Admission(AdmissionConfig())
+    plan = router.plan("r", PromptShape(num_tokens=200, max_tokens=16))
+    admission.check(plan)
+    with pytest.raises(Exception) as e:
+        admission.check_decode(plan)
+    assert e.value.status == 429 and e.value.code == "decode_full" and e.value.headers == {"Retry-After": "1"}
+    assert admission.rejected == {"decode_full": 1}
+    for i in range(3):  # 50 + 16 fit: admitted, however many are booked (they are still in prefill)
+        roomy = router.plan(f"r{i}", PromptShape(num_tokens=50, max_tokens=16))
+        admission.check_decode(roomy)
+        router.commit(roomy)
+    _, queued, _ = setup(prefill("p"), decode("d", kv_tokens_capacity=10**6, active_requests=64, waiting_requests=64))
+    with pytest.raises(Exception, match="every decode worker is full"):
+        admission.check_decode(queued.plan("r", PromptShape(num_tokens=10)))
+    _, no_reports, _ = setup(prefill("p"))  # no decode worker reports: left to the queue group
+    admission.check_decode(no_reports.plan("r3", PromptShape(num_tokens=200)))
 
 
 def test_decode_bookings_expire():
@@ -494,21 +522,24 @@ async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_grou
     from deepinfer.prefill.service import PrefillService
     from deepinfer.protocol import DecodeRequest
 
+    def service(mesh):
+        return SimpleNamespace(mesh=mesh, was_aborted=lambda req: False)
+
     handoff = DecodeRequest("r", [1, 2], [3], SamplingParams(), "deepinfer.stream.r", [], 2, 16)
     chosen = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r", decode_worker="d1")
     ok = FakeMesh({subjects.decode_submit("d1"): SubmitReply(True, "d1")})
-    assert (await PrefillService.hand_off(SimpleNamespace(mesh=ok), chosen, handoff)).worker_id == "d1"
+    assert (await PrefillService.hand_off(service(ok), chosen, handoff)).worker_id == "d1"
     assert ok.calls == [subjects.decode_submit("d1")]
     for failure in (SubmitReply(False, "d1", "draining"), NoResponders("gone"), RequestTimeout("slow")):
         mesh = FakeMesh({subjects.decode_submit("d1"): failure, subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
-        assert (await PrefillService.hand_off(SimpleNamespace(mesh=mesh), chosen, handoff)).worker_id == "d2"
+        assert (await PrefillService.hand_off(service(mesh), chosen, handoff)).worker_id == "d2"
         assert mesh.calls == [subjects.decode_submit("d1"), subjects.DECODE_SUBMIT]
         timed_out = isinstance(failure, RequestTimeout)
         # the abort names the timed-out attempt (0) only: the retry (attempt 1) may land on d1 again
         assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r", 0))] if timed_out else [])
     unchosen = FakeMesh({subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
     no_choice = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r")
-    assert (await PrefillService.hand_off(SimpleNamespace(mesh=unchosen), no_choice, handoff)).worker_id == "d2"
+    assert (await PrefillService.hand_off(service(unchosen), no_choice, handoff)).worker_id == "d2"
     assert unchosen.calls == [subjects.DECODE_SUBMIT]
 
 

@@ -6,7 +6,8 @@ explicit limits, each off unless configured (gateway flags in brackets):
   max_inflight          [--max-inflight N]         generation streams this gateway has open
                         (admitted and not finished; a request with n choices counts n); one
                         more is refused. Retry-After: 1 s.
-  max_queued_prefill_s  [--max-queued-prefill-s S] per prefill worker: a worker whose predicted
+  max_queued_prefill_s  [--max-queued-prefill-s S] (the gateway's default: 60 s, under its request
+                        timeout) per prefill worker: a worker whose predicted
                         queued compute plus this request's would exceed S seconds is not used
                         (one with an empty queue always is, so any single request can run);
                         when no worker is left: 429, Retry-After = the least excess, seconds.
@@ -27,11 +28,17 @@ explicit limits, each off unless configured (gateway flags in brackets):
                         out (the gateway, the network, a CPU slower than fitted) is not
                         admitted against the SLO.
 
+Decode admission, always on: when live decode workers report and, as their reports stand, none
+has free KV for the request's prompt and reserve and a queue within
+``RouterConfig.decode_max_waiting`` [--max-decode-waiting N]: 429 ``decode_full``, Retry-After
+1 s (decode frees KV as generations end, continuously). A request is refused up front rather
+than accepted and left to wait for a decode worker in its handoff.
+
 The error is an ``OpenAIError`` with status 429 and the header, so every API answers it in its
 own shape: OpenAI ``{"error": {"type": "rate_limit_exceeded", "code": <reason>, ...}}``,
 Anthropic ``{"type": "error", "error": {"type": "rate_limit_error", ...}}``. Reasons (``code``):
-``max_inflight``, ``prefill_queue_full``, ``ttft_slo``. Without worker reports (no candidates)
-only ``max_inflight`` applies: the queue group takes the request as before.
+``max_inflight``, ``prefill_queue_full``, ``ttft_slo``, ``decode_full``. Without worker reports
+(no candidates) only ``max_inflight`` applies: the queue group takes the request as before.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from dataclasses import dataclass
 from deepinfer.gateway.errors import OpenAIError
 from deepinfer.gateway.router import Plan
 from deepinfer.gateway.stream import Phase, RequestStream
+
+
+DEFAULT_MAX_QUEUED_PREFILL_S = 60.0
 
 
 @dataclass
@@ -120,6 +130,12 @@ class Admission:
             wait = min(c.finish_s + bias - bound[c.worker_id] for c in plan.candidates)
             raise self._reject(f"{why}; retry later", "ttft_slo", wait)
         plan.candidates = ok
+
+    def check_decode(self, plan: Plan) -> None:
+        """429 when decode workers report and, as they stand, none has room for the request."""
+        router = plan.router
+        if router is not None and router.config.prefill_role == "prefill" and router.decode_full(plan.shape):
+            raise self._reject("every decode worker is full (KV cache or queue); retry later", "decode_full", 1.0)
 
     def _reject(self, message: str, reason: str, retry_after_s: float) -> OpenAIError:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

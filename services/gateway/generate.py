@@ -247,6 +247,7 @@ async def admit(choices: list[Choice], prompt_ids: list[int], sampling: Sampling
         for c in choices:
             plan = gw.router.plan(c.stream.request_id, shape)
             gw.admission.check(plan)
+            gw.admission.check_decode(plan)
             gw.router.commit(plan, gw.admission.config.ttft_slo_s, started_at=started)
             plans.append(plan)
             log.debug("routed", request_id=plan.request_id, prompt_tokens=shape.num_tokens,

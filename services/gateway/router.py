@@ -66,6 +66,8 @@ class RouterConfig:
     decode_active_weight / decode_max_seqs: weight of a decode worker's requests, normalised
     by the sequences it batches (the engine's ``--max-num-seqs`` default).
     decode_reserve_tokens: output tokens a decode worker must hold room for beyond the prompt.
+    decode_max_waiting: requests a decode worker may have queued beyond one full batch (running,
+    waiting and booked to it, minus ``decode_max_seqs``) before it takes no more.
     max_targeted: chosen prefill workers tried in turn before the queue group.
     targeted_timeout_s: how long one targeted submit may take before the next is tried.
     report_margin_s: a request accepted this long before a worker's report is in that report
@@ -80,6 +82,7 @@ class RouterConfig:
     decode_active_weight: float = 1.0
     decode_max_seqs: int = 64
     decode_reserve_tokens: int = 256
+    decode_max_waiting: int = 64
     max_targeted: int = 2
     targeted_timeout_s: float = 2.0
     report_margin_s: float = 0.1
@@ -312,7 +315,8 @@ class Router:
 
     # --- decode ----------------------------------------------------------------------------
     def choose_decode(self, shape: PromptShape, request_id: str, until: float) -> str | None:
-        """The decode worker for ``shape`` (booked until ``until``), or None when none has room."""
+        """The decode worker for ``shape`` (booked until ``until``), or None when none has room:
+        free KV for the prompt and its reserve, and a queue within ``decode_max_waiting``."""
         cfg = self.config
         need = shape.num_tokens + min(shape.max_tokens, cfg.decode_reserve_tokens)
         workers = sorted(self._live("decode"), key=lambda i: i.report.worker_id)
@@ -322,8 +326,11 @@ class Router:
             used = r.kv_tokens_used + sum(s.tokens for s in sent) + need
             if r.kv_tokens_capacity > 0 and used > r.kv_tokens_capacity:
                 continue  # never beyond capacity
+            requests = r.active_requests + r.waiting_requests + len(sent)
+            if requests >= cfg.decode_max_seqs + cfg.decode_max_waiting:
+                continue  # a queue that long: the request would wait for whole generations to end
             kv = used / r.kv_tokens_capacity if r.kv_tokens_capacity > 0 else 0.0
-            busy = (r.active_requests + r.waiting_requests + len(sent)) / max(1, cfg.decode_max_seqs)
+            busy = requests / max(1, cfg.decode_max_seqs)
             key = (kv + cfg.decode_active_weight * busy, (pos - self._turn) % len(workers))
             if best is None or key < best[0]:
                 best = (key, r.worker_id)
@@ -333,6 +340,18 @@ class Router:
         return best[1]
 
     # --- helpers ---------------------------------------------------------------------------
+    def decode_full(self, shape: PromptShape) -> bool:
+        """Whether live decode workers report and, as their reports stand, none has room for
+        ``shape``: free KV for the prompt and its reserve, a queue within ``decode_max_waiting``.
+        (Bookings are left out: they hold room for requests still in prefill queues, which
+        ``choose_decode`` spreads by, but which are not on any decode worker yet.)"""
+        cfg, live = self.config, self._live("decode")
+        need = shape.num_tokens + min(shape.max_tokens, cfg.decode_reserve_tokens)
+        return bool(live) and not any(
+            (r.kv_tokens_capacity <= 0 or r.kv_tokens_used + need <= r.kv_tokens_capacity)
+            and r.active_requests + r.waiting_requests < cfg.decode_max_seqs + cfg.decode_max_waiting
+            for r in (i.report for i in live))
+
     def _live(self, role: str) -> list[WorkerInfo]:
         return [i for i in self.registry.alive(role) if not i.report.draining]
 

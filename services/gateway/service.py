@@ -16,7 +16,7 @@ import signal
 
 import uvicorn
 
-from deepinfer.gateway.admission import AdmissionConfig
+from deepinfer.gateway.admission import DEFAULT_MAX_QUEUED_PREFILL_S, AdmissionConfig
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
 from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
@@ -54,9 +54,14 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
                    help="answer 429 + Retry-After when the predicted time to first token exceeds this (default off)")
     p.add_argument("--max-inflight", type=int, default=None,
                    help="answer 429 beyond this many generation streams in flight (default off)")
-    p.add_argument("--max-queued-prefill-s", type=float, default=None,
+    p.add_argument("--max-queued-prefill-s", type=float, default=DEFAULT_MAX_QUEUED_PREFILL_S,
                    help="per prefill worker: predicted seconds of queued prompt compute beyond which it takes "
-                        "no more; none left -> 429 (default off)")
+                        f"no more; none left -> 429 (default {DEFAULT_MAX_QUEUED_PREFILL_S:g}, under the request "
+                        "timeout, so an admitted request is not failed for waiting; 0 = off)")
+    p.add_argument("--max-decode-waiting", type=int, default=64,
+                   help="per decode worker: requests queued beyond one full 64-request batch at which it takes "
+                        "no more; with its free KV, what decode admission checks: no decode worker left -> 429 "
+                        "(default 64)")
     add_image_args(p)
     a = p.parse_args(argv)
     return GatewayConfig(
@@ -72,10 +77,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         timeouts=StreamTimeouts(inactivity_s=a.request_timeout, handoff_s=a.handoff_timeout),
         mode=a.mode,
         routing=RouterConfig(prefill_policy=a.prefill_router, kv_load_bytes_per_s=a.kv_load_bytes_per_s,
-                             dynamo_overlap_weight=a.dynamo_overlap_weight,
+                             dynamo_overlap_weight=a.dynamo_overlap_weight, decode_max_waiting=a.max_decode_waiting,
                              prefill_role="decode" if a.mode == "agg" else "prefill"),
         admission=AdmissionConfig(ttft_slo_s=a.ttft_slo_s, max_inflight=a.max_inflight,
-                                  max_queued_prefill_s=a.max_queued_prefill_s),
+                                  max_queued_prefill_s=a.max_queued_prefill_s or None),
         max_image_bytes=a.max_image_bytes,
         image_fetch_timeout_s=a.image_fetch_timeout_s,
         max_images=a.max_images,
