@@ -3,7 +3,8 @@ requests, through real meshes started by the launcher.
 
 - the official ``openai`` client: greedy text equals ``transformers`` (fp32), streamed or not;
   the worker writes the prompt's blocks to the storage tier (the kvindex knows them) and a
-  second request with the same prompt reports them cached;
+  second request with the same prompt reports them cached; it scores a prompt (echo, logprobs,
+  max_tokens 0) as transformers does, computing it whole;
 - a worker killed (-9) mid-stream: its requests resume on the other worker with the same text;
 - SIGTERM: a worker drains (in-flight requests finish, exit 0) while the other keeps serving.
 """
@@ -15,6 +16,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -53,6 +55,15 @@ def test_agg_mesh_answers_the_official_client_as_transformers_and_stores_prompts
     health = httpx.get(m.gateway_url + "/health", timeout=10).json()
     assert health["workers"].get("prefill") is None and health["workers"]["decode"] == 1
     assert health["kv_index"]["num_blocks"] >= len(ids) // 16  # the worker stored the prompt's blocks
+
+    # the worker scores the (now cached) prompt too: its prompt logprobs, computed whole
+    scored = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf.float()(torch.tensor([ids])).logits[0], dim=-1)
+    got = scored.choices[0].logprobs.token_logprobs
+    assert scored.usage.prompt_tokens_details.cached_tokens == 0 and scored.usage.completion_tokens == 0
+    assert got[0] is None and got[1:] == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))],
+                                                       abs=1e-3)
 
 
 def test_agg_worker_killed_mid_stream_resumes_on_the_other_one_with_the_same_text(make_mesh):

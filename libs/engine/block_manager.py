@@ -71,9 +71,10 @@ class BlockManager:
         """Block ids of the longest cached prefix of ``seq`` (a new sequence without blocks).
 
         At least one token is always left to compute (its logits are needed),
-        so a fully cached prompt hits all blocks but the last.
+        so a fully cached prompt hits all blocks but the last. A sequence that wants its prompt's
+        logprobs (``Sequence.prompt_logprobs``) hits nothing: every position needs its logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         hits = []
         for h in self.hashes(seq):

@@ -61,6 +61,9 @@ log = get_logger(__name__)
 _STEP_THREADS: dict[tuple, StepThreads] = {}
 
 
+MAX_PROMPT_LOGPROBS = 20  # most likely tokens per prompt position (``SamplingParams.prompt_logprobs``)
+
+
 class RequestError(ValueError):
     """A request the engine cannot take (too long, bad KV import); says why."""
 
@@ -155,12 +158,22 @@ class StepOutput:
     num_accepted_tokens: int = 0
     # a prefill-only engine's finished request: ``Sequence.chunk_times`` (its prompt's steps)
     chunk_times: list = field(default_factory=list)
+    # with the request's first token, when it asked (``SamplingParams.prompt_logprobs``): one entry
+    # per prompt token, None for the first, else its ``TokenLogprobs``
+    prompt_logprobs: list | None = None
 
     def wire_logprobs(self) -> list | None:
         """``TokenChunk.logprobs`` form: per token ``[logprob, [[token_id, logprob], ...]]``."""
         if self.logprobs is None:
             return None
-        return [[lp.logprob, [[t, v] for t, v in lp.top]] for lp in self.logprobs]
+        return [lp.to_wire() for lp in self.logprobs]
+
+    def wire_prompt_logprobs(self) -> list | None:
+        """``TokenChunk.prompt_logprobs`` form: None, then per prompt token
+        ``[logprob, [[token_id, logprob], ...]]``."""
+        if self.prompt_logprobs is None:
+            return None
+        return [None if lp is None else lp.to_wire() for lp in self.prompt_logprobs]
 
 
 @dataclass
@@ -298,6 +311,9 @@ class LLMEngine:
         export_prompt: with the first token sampled here, the output carries the prompt's full,
         exact blocks this engine computed (``StepOutput.kv_blocks`` from ``kv_first_block``;
         not those hit in the prefix cache), for the storage tier.
+        ``sampling.prompt_logprobs`` is honoured where the prompt is computed here, from nothing
+        (no ``kv_blocks``, no ``output_token_ids``): the whole prompt is then computed, never hit
+        in the prefix cache, and its logprobs come with the first token (``StepOutput.prompt_logprobs``).
 
         Raises RequestError for an empty or too-long prompt, a bad ``swa_replay``, an unsupported
         ``structured`` spec or inconsistent KV. A structured request's matcher consumes
@@ -309,6 +325,8 @@ class LLMEngine:
         tokens = list(prompt_token_ids) + list(output_token_ids)
         seq = Sequence(request_id, tokens, len(prompt_token_ids), sampling, prefill_only=self.config.prefill_only,
                        cache_salt=(cache_salt or "").encode(), export_prompt=export_prompt and kv_blocks is None)
+        if sampling.prompt_logprobs is not None and kv_blocks is None and not output_token_ids:
+            seq.prompt_logprobs = [None] * len(prompt_token_ids)
         if images:
             seq.images = [(int(o), int(n), str(h)) for o, n, h in images]
             if any(o < 0 or o + n > len(prompt_token_ids) for o, n, _ in seq.images):
@@ -358,10 +376,14 @@ class LLMEngine:
                       sampling: SamplingParams | None = None) -> None:
         """Raise RequestError unless the prompt is non-empty, every token id is in the
         vocabulary, prompt + output stay below ``max_model_len``, ``sampling.swa_replay``
-        is None, "bounded" or "exact" and ``sampling.structured`` is None or a spec llguidance
-        supports (``structured.compile_grammar``, cached; pure: any thread)."""
+        is None, "bounded" or "exact", ``sampling.prompt_logprobs`` is None or 0-``MAX_PROMPT_LOGPROBS``
+        and ``sampling.structured`` is None or a spec llguidance supports
+        (``structured.compile_grammar``, cached; pure: any thread)."""
         if not prompt_token_ids:
             raise RequestError("empty prompt")
+        k = None if sampling is None else sampling.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_PROMPT_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be between 0 and {MAX_PROMPT_LOGPROBS}, got {k}")
         if sampling is not None and sampling.swa_replay not in (None, *SWA_MODES):
             raise RequestError(f"swa_replay must be one of {SWA_MODES}, not {sampling.swa_replay!r}")
         if sampling is not None and sampling.structured is not None:
@@ -624,6 +646,7 @@ class LLMEngine:
             seqs = [step.seqs[i] for i in step.sampling]
             result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs],
                             self.model_config.eos_token_ids)
+        result.prompt_logprobs = step.inputs.prompt_logprobs
         self._forward_end = time.perf_counter()
         return result
 
@@ -647,6 +670,9 @@ class LLMEngine:
         sampled = dict(zip(step.sampling, result.token_ids))
         logprobs = dict(zip(step.sampling, result.logprobs))
         live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
+        for seq, first, entries in result.prompt_logprobs:
+            if seq.prompt_logprobs is not None:  # (None: aborted meanwhile)
+                seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
         finished = {id(s) for s in self.scheduler.update(step.seqs, sampled)}
         self._advance_matchers(step.seqs)
         self.num_finished_requests += len(finished)
@@ -664,6 +690,8 @@ class LLMEngine:
                                  prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens,
                                  num_draft_tokens=seq.num_draft_tokens,
                                  num_accepted_tokens=seq.num_accepted_tokens)
+                if seq.prompt_logprobs is not None:  # the first token: the prompt is all computed
+                    out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
                 if id(seq) in finished and seq.prefill_only:
                     out.chunk_times = seq.chunk_times
                     self._export_kv(seq, out)
@@ -839,7 +867,8 @@ class LLMEngine:
             seconds += left * sum(cost.piece_cost(n, c) for n, c in prefill)
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             total, c = len(seq), seq.num_computed_tokens
-            if seq.status == SequenceStatus.WAITING and not c and bm.enable_prefix_caching:
+            reads_cache = bm.enable_prefix_caching and seq.prompt_logprobs is None
+            if seq.status == SequenceStatus.WAITING and not c and reads_cache:
                 hashes = seq.block_hashes[: max(0, (total - 1) // bm.block_size)]
                 hits = next((i for i, h in enumerate(hashes) if h not in bm.cached), len(hashes))
                 c = hits * bm.block_size

@@ -44,7 +44,9 @@ Tokens: ``allowed`` ids are the model's vocabulary without its special
 tokens (``tokenizer.json``'s added special tokens) and EOS ids, so the
 gateway can detokenize them; EOS is emitted only with
 ``MockConfig.eos_rate`` > 0 (that fraction of tokens, deterministically,
-after ``min_tokens``). Logprobs, when asked: 0.0 for the emitted token.
+after ``min_tokens``). Logprobs, when asked: 0.0 for the emitted token; prompt logprobs
+likewise 0.0 for each prompt token after the first (the prompt is computed whole, as the real
+engine computes it).
 Not mocked: hybrid sliding-window KV pools (a hybrid model is mocked as
 full attention), batch invariance (outputs are batch-invariant anyway) and
 structured output: the mock's tokens follow no grammar, so a request with
@@ -284,7 +286,20 @@ class MockEngine(LLMEngine):
             top = [(tok, 0.0)][: sp.top_logprobs]
             logprobs.append(TokenLogprobs(tok, 0.0, top) if sp.logprobs else None)
         self._forward_end = time.perf_counter()
-        return SampleResult(tokens, logprobs)
+        return SampleResult(tokens, logprobs, self._prompt_logprobs(step.inputs))
+
+    @staticmethod
+    def _prompt_logprobs(inputs: MockStepInputs) -> list:
+        """``SampleResult.prompt_logprobs`` of the step's fed prompt positions: 0.0 for the next token."""
+        out = []
+        for seq, start, end, _ in inputs.pieces:
+            last = min(end, seq.num_prompt_tokens - 1)
+            if seq.prompt_logprobs is None or last <= start:
+                continue
+            k = seq.sampling.prompt_logprobs
+            tokens = seq.token_ids[start + 1 : last + 1]
+            out.append((seq, start, [TokenLogprobs(t, 0.0, [(t, 0.0)][:k]) for t in tokens]))
+        return out
 
 
 def fit_cost(model_dir: str | Path, config: EngineConfig | None = None) -> dict:

@@ -24,11 +24,13 @@ before ``seq.replay_start``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.engine.hybrid_blocks import NULL_BLOCK
+from deepinfer.engine.sampler import prompt_token_logprobs
 from deepinfer.engine.sequence import Sequence
 from deepinfer.kernels.attention import AttentionMetadata, build_metadata
 
@@ -52,6 +54,15 @@ class StepInputs:
     window_restores: tuple[list[int], torch.Tensor] | None = None
     # image embeddings of the fed placeholder rows: (rows [K] int64, embeds [K, hidden]) or None
     embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None
+    # prompt logprobs (``Sequence.prompt_logprobs``): packed rows [H] int64 of the fed positions whose
+    # next token is a prompt token, as (sequence, first position, count) per sequence, in order;
+    # ``execute`` puts their ``SampleResult.prompt_logprobs`` entries in ``prompt_logprobs``
+    prompt_index: torch.Tensor | None = None
+    prompt_pieces: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at a time (prompt logprobs)
 
 
 class ModelRunner:
@@ -96,9 +107,13 @@ class ModelRunner:
         filled by ``fill`` once that step is back.
         """
         input_ids, positions, query_lens, context_lens, placeholders, rows = [], [], [], [], [], []
-        image_rows, image_embeds = [], []
+        image_rows, image_embeds, prompt_rows, prompt_pieces = [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                n = min(end, seq.num_prompt_tokens - 1) - start  # positions that predict a prompt token
+                prompt_rows.extend(range(len(input_ids), len(input_ids) + n))
+                prompt_pieces.append((seq, start, n))
             if seq.images:  # the chunk's rows of each image it overlaps (a chunk may cut an image)
                 self._image_rows(seq, start, end, len(input_ids), image_rows, image_embeds)
             tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
@@ -123,7 +138,9 @@ class ModelRunner:
                                        key_starts=[s.replay_start for s in seqs]))
         override = (torch.tensor(image_rows, dtype=torch.long), torch.cat(image_embeds)) if image_rows else None
         return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          meta, torch.tensor(rows, dtype=torch.long), placeholders, embeds_override=override)
+                          meta, torch.tensor(rows, dtype=torch.long), placeholders, embeds_override=override,
+                          prompt_index=torch.tensor(prompt_rows, dtype=torch.long) if prompt_rows else None,
+                          prompt_pieces=prompt_pieces)
 
     @staticmethod
     def _image_rows(seq: Sequence, start: int, end: int, base: int, rows: list, embeds: list) -> None:
@@ -162,15 +179,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Forward pass (after filling ``window_restores``); the logits at
-        ``inputs.logits_index``: [R, V] float32 (one row per sequence without drafts)."""
+        ``inputs.logits_index``: [R, V] float32 (one row per sequence without drafts). Prompt
+        logprobs of ``inputs.prompt_pieces`` go to ``inputs.prompt_logprobs``."""
         assert not inputs.placeholders, "fill() the placeholders first"
         if inputs.window_restores is not None:
             self.write_window_blocks(*inputs.window_restores)
             inputs.window_restores = None
+        kwargs = {}
         if inputs.embeds_override is not None:
-            return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index,
-                              input_embeds_override=inputs.embeds_override)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index)
+            kwargs["input_embeds_override"] = inputs.embeds_override
+        if not inputs.prompt_pieces:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index, **kwargs)
+        logits, hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_index,
+                                    hidden_index=inputs.prompt_index, **kwargs)
+        inputs.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_pieces)
+        return logits
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, pieces: list) -> list:
+        """``SampleResult.prompt_logprobs`` from the final hidden states [H, hidden] of the pieces'
+        positions: logits ``PROMPT_LOGITS_ROWS`` rows at a time (a [H, V] float32 block at once
+        is ~0.8 GB for a 4k-token chunk of a 49k vocabulary)."""
+        targets = [t for seq, start, n in pieces for t in seq.token_ids[start + 1 : start + 1 + n]]
+        k = max(seq.sampling.prompt_logprobs for seq, _, _ in pieces)
+        entries = []
+        for i in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            logits = self.model.logits(hidden[i : i + PROMPT_LOGITS_ROWS])
+            entries += prompt_token_logprobs(logits, targets[i : i + PROMPT_LOGITS_ROWS], k)
+        out, at = [], 0
+        for seq, start, n in pieces:
+            mine = seq.sampling.prompt_logprobs
+            out.append((seq, start, [dataclasses.replace(e, top=e.top[:mine]) for e in entries[at : at + n]]))
+            at += n
+        return out
 
     @torch.inference_mode()
     def draft_forward(self, seqs: list[Sequence], token_ids: list[int], positions: list[int],

@@ -42,7 +42,7 @@ row, ~30x slower on CPU) or vLLM's exponential race (V random numbers per row).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,10 +71,13 @@ class TokenLogprobs:
 
 @dataclass
 class SampleResult:
-    """One token per row; ``logprobs[i]`` is None unless row i's request set ``logprobs``."""
+    """One token per row; ``logprobs[i]`` is None unless row i's request set ``logprobs``.
+    ``prompt_logprobs``: ``(sequence, first position, [TokenLogprobs, ...])`` per sequence whose
+    prompt logprobs the step computed (entry i is prompt token ``first + 1 + i``'s)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 def sample(
@@ -306,3 +309,18 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], params: list) -> list[Tok
         n = params[i].top_logprobs
         out[i] = TokenLogprobs(tokens[i], chosen[r], list(zip(top_ids[r][:n], top_vals[r][:n])))
     return out
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Prompt logprobs of one slice of positions: ``logits`` [N, V] (any float dtype) at the
+    positions before ``targets`` [N] (the prompt tokens they predict); each target's logprob under
+    the raw distribution (no logits processor: what the model gives the prompt) and the ``k``
+    most likely tokens there, best first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    if k > 0:
+        top_vals, top_ids = logp.topk(k, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    return [TokenLogprobs(t, c, top) for t, c, top in zip(targets, chosen, tops)]

@@ -208,7 +208,7 @@ class Scheduler:
         it a second time; left waiting, ``seq`` hits it (and what follows) once it is computed.
         (The running sequence makes progress every step, so the wait ends; one that is
         preempted leaves ``running`` and stops holding others back.)"""
-        if not inflight:
+        if not inflight or seq.prompt_logprobs is not None:  # (it would not hit them: it computes its prompt)
             return False
         bm = self.block_manager
         for h in bm.hashes(seq)[: (len(seq) - 1) // bm.block_size]:

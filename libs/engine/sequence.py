@@ -54,6 +54,11 @@ class Sequence:
     image_embeds: list | None = None
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # ``SamplingParams.prompt_logprobs`` asked of this engine (it computes the prompt): one entry per
+    # prompt token (``sampler.TokenLogprobs``; None for the first and until computed), filled as the
+    # prompt's chunks run and handed out with the first token (then None). While set, the prefix
+    # cache is not read: a cached block's positions would have no logits.
+    prompt_logprobs: list | None = None
     # Tokens fed in the step being scheduled (set by the scheduler).
     num_scheduled_tokens: int = 0
     # Tokens sampled by launched steps whose results are not back yet.

@@ -18,8 +18,8 @@ Mesh features this backend does not implement are refused, never ignored:
 speculative decoding (the native engine's adaptive verification), the batch-invariant
 mode, a block size that is not a multiple of 32 (vLLM's CPU attention kernel); models with
 sliding-window layers (bounded SWA replay) or experts (expert balancing) are refused when
-loaded. Per request (``RequestError``): ``check_request`` refuses logprobs, structured output
-and ``swa_replay``; ``add_request`` also refuses images and imported KV (``kv_blocks``).
+loaded. Per request (``RequestError``): ``check_request`` refuses logprobs, prompt logprobs,
+structured output and ``swa_replay``; ``add_request`` also refuses images and imported KV (``kv_blocks``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class VllmEngine:
                       sampling: SamplingParams | None = None) -> None:
         """Raise RequestError unless the prompt is non-empty, its ids are in the vocabulary, prompt +
         output fit ``max_model_len``, and ``sampling`` asks for nothing this backend lacks (logprobs,
-        structured output, swa_replay)."""
+        prompt logprobs, structured output, swa_replay)."""
         if not prompt_token_ids:
             raise RequestError("empty prompt")
         ids = [*prompt_token_ids, *output_token_ids]
@@ -138,7 +138,7 @@ class VllmEngine:
         if len(ids) + s.max_tokens - len(output_token_ids) > self.max_model_len:
             raise RequestError(f"prompt + max_tokens exceed max_model_len {self.max_model_len}")
         for name, asked in (("logprobs", s.logprobs or s.top_logprobs), ("structured output", s.structured),
-                            ("swa_replay", s.swa_replay)):
+                            ("swa_replay", s.swa_replay), ("prompt logprobs", s.prompt_logprobs is not None)):
             if asked:
                 raise RequestError(f"{name} is not available on --engine vllm")
 

@@ -44,6 +44,10 @@ class CausalLM(nn.Module):
     ``input_embeds_override`` (multimodal, e.g. LLaVA image features): ``(rows [K] int64,
     embeds [K, hidden])``; row ``rows[i]`` of the packed step (an index into ``input_ids``)
     takes ``embeds[i]`` instead of its token embedding, before layer 0.
+
+    ``hidden_index`` [H] int64 (prompt logprobs): also return the final normed hidden states
+    at those packed rows, ``(logits [B, V] float32, hidden [H, hidden])``; the caller turns them
+    into logits with ``logits`` a slice at a time (H x V float32 at once could be gigabytes).
     """
 
     norm_class: type[nn.Module] = RMSNorm
@@ -96,7 +100,8 @@ class CausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, logits_index, num_layers: int | None = None,
-                input_embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None):
+                input_embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
+                hidden_index: torch.Tensor | None = None):
         x = self.embed(input_ids)
         if input_embeds_override is not None:
             rows, embeds = input_embeds_override
@@ -109,4 +114,7 @@ class CausalLM(nn.Module):
                 sin = getattr(self, f"sin_{name}")[positions].to(x.dtype)[:, None, :]
                 rope[name] = cos, sin
             x = layer(x, *rope[name], meta)
-        return self.logits(self.model.norm(x[logits_index]))
+        logits = self.logits(self.model.norm(x[logits_index]))
+        if hidden_index is None:
+            return logits
+        return logits, self.model.norm(x[hidden_index])

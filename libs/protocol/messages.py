@@ -58,6 +58,11 @@ class SamplingParams:
     ``{"type": "grammar", "lark": str}`` (llguidance's Lark). A grammar mask is applied before
     every other stage; when the grammar is complete only EOS is allowed. An unsupported spec is
     refused (``StructuredOutputError``), never silently ignored.
+    prompt_logprobs: None = off; k (0-20) = the logprob of every prompt token after the first under
+    the model's raw distribution, with the k most likely tokens at each position (vLLM's
+    ``prompt_logprobs``), computed by the worker that computes the prompt: it then computes the whole
+    prompt (its prefix cache is not read) and sends them with the first token
+    (``TokenChunk.prompt_logprobs``).
 
     On the wire ``logit_bias`` is a list of ``[token_id, bias]`` pairs
     (msgpack map keys must be strings); ``from_dict`` turns it back into a dict.
@@ -80,6 +85,7 @@ class SamplingParams:
     top_logprobs: int = 0
     swa_replay: str | None = None
     structured: dict | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -270,6 +276,10 @@ class TokenChunk:
     or a copy behind it; -1 = not said (error chunks, older senders).
     attempt: decode chunks: the ``DecodeRequest.attempt`` of the copy that produced them, so two
     copies on one worker are told apart; -1 = not said.
+    prompt_logprobs: the chunk with the first token, when the request asked
+    (``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first (nothing
+    predicts it), else ``[logprob, [[token_id, logprob], ...]]`` (the token's logprob under the
+    model's raw distribution, then the k most likely tokens there, best first).
     """
 
     request_id: str
@@ -285,6 +295,7 @@ class TokenChunk:
     num_replayed_tokens: int = 0
     offset: int = -1
     attempt: int = -1
+    prompt_logprobs: list | None = None
 
 
 @message

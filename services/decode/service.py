@@ -190,6 +190,7 @@ class DecodeService(EngineWorker):
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
+                               prompt_logprobs=out.wire_prompt_logprobs(),  # a prompt computed here (agg)
                                offset=offset, attempt=req.attempt,
                                # the prompt's cache hits where this worker gives the first token (aggregated
                                # serving); after a handoff or a resume the first token's worker reported them

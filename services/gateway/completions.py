@@ -8,8 +8,13 @@ caller's own template). Each prompt gets ``n`` choices, in OpenAI's order: choic
 once each and every choice's completion tokens. ``echo`` prepends the prompt (its text as
 sent, or its token ids decoded with their special tokens); ``logprobs`` (0-5) fills the
 legacy ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
-``text_offset``); ``echo`` with ``logprobs`` would need prompt logprobs and is refused, as
-are ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``. A
+``text_offset``). ``echo`` with ``logprobs`` puts the prompt's tokens first, with their
+logprobs under the model's raw distribution (the first token's logprob and top_logprobs
+null, as OpenAI and vLLM give them): the engine computes them during prefill
+(``SamplingParams.prompt_logprobs``), reading nothing from the prefix cache. ``max_tokens: 0``
+(with ``echo`` only) scores a text without generating, as lm-evaluation-harness does: the
+worker samples one token, which is dropped (text and usage count none; finish reason
+"length"). Refused: ``suffix`` (no fill-in-the-middle) and ``best_of`` other than ``n``. A
 vision-language model's image placeholder token in a prompt (as an id, or as
 its text, which a raw prompt parses as the special token) is refused too: only
 an image may put it there, and this endpoint takes none.
@@ -37,7 +42,8 @@ from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.chat import (TRAFFIC_CLASS_HEADER, request_traffic_class, sampling_params,
                                     validate_sampling)
-from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, validation_error
+from deepinfer.gateway.errors import (OpenAIError, bad_request, context_length_exceeded, error_body, internal,
+                                     validation_error)
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
                                         new_choices, open_prompts, raise_if_failed, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
@@ -58,19 +64,21 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False), _FIELD_NAMES) from None
     validate(req, gw)
+    gen_req = generation_request(req)
     structured = openai_spec(req)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     check_workers(gw.registry, gw.required_roles)
     traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
     prompts = [await prompt_token_ids(p, req, gw) for p in prompt_list(req)]
-    want_logprobs = req.logprobs is not None
+    want_logprobs = req.logprobs is not None and not scores_only(req)  # (the scored token is dropped)
     samplings = []
     for ids in prompts:
-        sampling = sampling_params(req, len(ids), gw.max_model_len, logprobs=want_logprobs,
+        sampling = sampling_params(gen_req, len(ids), gw.max_model_len, logprobs=want_logprobs,
                                    top_logprobs=req.logprobs or 0, prompt_field="prompt",
                                    default_max_tokens=DEFAULT_MAX_TOKENS)
         sampling.structured = structured
+        sampling.prompt_logprobs = req.logprobs if req.echo else None
         samplings.append(sampling)
     n = req.n or 1
     choices = new_choices(gw, request_id, len(prompts) * n, req.stop_strings, traffic_class, req.cache_salt)
@@ -80,8 +88,12 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     except ClientGone:
         return Response(status_code=499)
     echoes = [echo_text(p, ids, gw) if req.echo else "" for p, ids in zip(prompt_list(req), prompts)]
-    reply = _Completion(f"cmpl-{request_id}", int(time.time()), gw.model.served_name, req, prompts, choices, gw,
-                        echoes)
+    try:
+        reply = _Completion(f"cmpl-{request_id}", int(time.time()), gw.model.served_name, req, prompts, choices, gw,
+                            echoes)
+    except OpenAIError:
+        await abort_all(choices)
+        raise
     if req.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=headers)
@@ -99,6 +111,17 @@ def prompt_list(req: oai.CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
+def scores_only(req: oai.CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt is scored (its logprobs), nothing generated."""
+    return req.echo and req.max_tokens == 0
+
+
+def generation_request(req: oai.CompletionRequest) -> oai.CompletionRequest:
+    """The request the workers run: a scoring request samples one token (dropped), the prompt's
+    logprobs coming with it."""
+    return req.model_copy(update={"max_tokens": 1}) if scores_only(req) else req
+
+
 def validate(req: oai.CompletionRequest, gw: Gateway) -> None:
     """400 for what this endpoint does not do or takes out of range (404 for an unknown model)."""
     if req.suffix is not None:
@@ -107,9 +130,10 @@ def validate(req: oai.CompletionRequest, gw: Gateway) -> None:
         raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {req.logprobs}", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
-    validate_sampling(req, gw.model)
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt is scored, nothing "
+                          "generated), got 0", param="max_tokens")
+    validate_sampling(generation_request(req), gw.model)
     prompts = prompt_list(req)
     if len(prompts) * (req.n or 1) > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts times n), got "
@@ -166,48 +190,71 @@ def longest_token_chars(tokenizer) -> int:
 
 class _Completion:
     """One completions response under construction (JSON or SSE): ``choices[k]`` answers
-    ``prompts[k // n]`` and starts with ``echoes[k // n]``."""
+    ``prompts[k // n]`` and starts with ``echoes[k // n]``. Raises a 500 ``OpenAIError`` when prompt
+    logprobs were asked and a choice's first chunk came without them."""
 
     def __init__(self, cid: str, created: int, model: str, req: oai.CompletionRequest, prompts: list[list[int]],
                  choices: list[Choice], gw: Gateway, echoes: list[str]):
         self.id, self.created, self.model, self.req = cid, created, model, req
         self.prompts, self.choices, self.gw, self.echoes = prompts, choices, gw, echoes
         self.n = req.n or 1
-        self.offsets = {c.index: len(self.echo(c)) for c in choices}  # text_offset of the next token
+        self.scoring = scores_only(req)
+        self.offsets = {c.index: 0 for c in choices}  # text_offset of the next token
+        # each choice's legacy logprobs so far: the prompt's first with echo
+        self.echo_logprobs = {c.index: self._legacy(c, self._prompt_entries(c)) for c in choices}
 
     def echo(self, c: Choice) -> str:
         return self.echoes[c.index // self.n]
 
+    def finish_reason(self, c: Choice) -> str | None:
+        return "length" if self.scoring and c.proc.finish_reason else c.proc.finish_reason
+
     def usage(self) -> dict:
-        """Each prompt's tokens once, every choice's completion tokens; cached: per prompt, what all of
-        its choices found cached."""
+        """Each prompt's tokens once, every choice's completion tokens (none when scoring); cached:
+        per prompt, what all of its choices found cached."""
         counts = [usage_counts(self.choices[i * self.n:(i + 1) * self.n], len(ids))
                   for i, ids in enumerate(self.prompts)]
-        return oai.usage(*(sum(col) for col in zip(*counts)))
+        prompt, completion, cached = (sum(col) for col in zip(*counts))
+        return oai.usage(prompt, 0 if self.scoring else completion, cached)
+
+    def _prompt_entries(self, c: Choice) -> list[dict]:
+        """``logprobs.content``-style entries of the choice's prompt tokens (echo with logprobs), else []."""
+        if not self.req.echo or self.req.logprobs is None:
+            return []
+        wire = c.first.prompt_logprobs if c.first is not None else None
+        ids = self.prompts[c.index // self.n]
+        if wire is None or len(wire) != len(ids):
+            raise internal(f"worker {c.stream.worker_id} sent no prompt logprobs for the echoed prompt",
+                           code="worker_error")
+        return lp.prompt_content(self.gw.token_bytes, ids, wire)
 
     def logprobs(self, c: Choice, chunk) -> dict | None:
-        """Legacy logprobs of the chunk's tokens (None when not asked)."""
-        if self.req.logprobs is None:
+        """Legacy logprobs of the chunk's tokens (None when not asked, or when scoring)."""
+        if self.req.logprobs is None or self.scoring:
             return None
-        entries = lp.content(self.gw.token_bytes, chunk.token_ids, chunk.logprobs) or []
+        return self._legacy(c, lp.content(self.gw.token_bytes, chunk.token_ids, chunk.logprobs) or [])
+
+    def _legacy(self, c: Choice, entries: list[dict]) -> dict:
+        """The legacy ``logprobs`` object of ``entries`` (the choice's next tokens), offsets advanced."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             out["tokens"].append(e["token"])
             out["token_logprobs"].append(e["logprob"])
-            out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+            top = e["top_logprobs"]
+            out["top_logprobs"].append(None if top is None else {t["token"]: t["logprob"] for t in top})
             out["text_offset"].append(self.offsets[c.index])
             self.offsets[c.index] += len(e["token"])
         return out
 
     async def collect(self, request: Request) -> dict:
-        merged = {c.index: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                  for c in self.choices}
+        merged = self.echo_logprobs
         try:
             async with aclosing(chunks(self.choices, request.is_disconnected)) as arriving:
                 async for c, chunk in arriving:
                     raise_if_failed(chunk)
                     delta = c.proc.process(chunk)
-                    c.parts.append(delta.text)
+                    if not self.scoring:
+                        c.parts.append(delta.text)
                     for k, v in (self.logprobs(c, chunk) or {}).items():
                         merged[c.index][k] += v
                     if delta.finish_reason:
@@ -216,7 +263,7 @@ class _Completion:
             raise http_error(e) from None
         finally:
             await abort_all(self.choices)
-        out = [oai.completion_choice(c.index, self.echo(c) + "".join(c.parts), c.proc.finish_reason,
+        out = [oai.completion_choice(c.index, self.echo(c) + "".join(c.parts), self.finish_reason(c),
                                      merged[c.index] if self.req.logprobs is not None else None)
                for c in self.choices]
         return oai.completion(self.id, self.created, self.model, out, self.usage())
@@ -225,7 +272,8 @@ class _Completion:
         try:
             for c in self.choices:
                 if self.echo(c):
-                    yield _event(self._chunk(c.index, self.echo(c), None, None))
+                    logprobs = self.echo_logprobs[c.index] if self.req.logprobs is not None else None
+                    yield _event(self._chunk(c.index, self.echo(c), None, logprobs))
             try:
                 async with aclosing(chunks(self.choices)) as arriving:
                     async for c, chunk in arriving:
@@ -235,8 +283,10 @@ class _Completion:
                             return
                         delta = c.proc.process(chunk)
                         logprobs = self.logprobs(c, chunk)
-                        if delta.text or delta.finish_reason or logprobs:
-                            yield _event(self._chunk(c.index, delta.text, delta.finish_reason, logprobs))
+                        text = "" if self.scoring else delta.text
+                        if text or delta.finish_reason or logprobs:
+                            yield _event(self._chunk(c.index, text, self.finish_reason(c) if delta.finish_reason
+                                                     else None, logprobs))
                         if delta.finish_reason:
                             await c.stream.abort()
             except StreamError as e:

@@ -1,4 +1,4 @@
-"""``TokenChunk.logprobs`` -> OpenAI's ``choices[].logprobs.content`` entries.
+"""``TokenChunk.logprobs`` (and ``prompt_logprobs``) -> OpenAI's ``choices[].logprobs.content`` entries.
 
 One entry per generated token::
 
@@ -73,6 +73,21 @@ def content(token_bytes: TokenBytes, token_ids: list[int], wire: list[list] | No
         {**_entry(token_bytes, tok, lp), "top_logprobs": [_entry(token_bytes, t, v) for t, v in top]}
         for tok, (lp, top) in zip(token_ids, wire)
     ]
+
+
+def prompt_content(token_bytes: TokenBytes, prompt_ids: list[int], wire: list) -> list[dict]:
+    """``content`` entries of the prompt's tokens (``wire``: ``TokenChunk.prompt_logprobs``, aligned
+    with ``prompt_ids``); the first token's ``logprob`` and ``top_logprobs`` are None (nothing
+    predicts it), as OpenAI and vLLM return them."""
+    out = []
+    for tok, item in zip(prompt_ids, wire):
+        if item is None:
+            text, raw = token_bytes.lookup(int(tok))
+            out.append({"token": text, "logprob": None, "bytes": list(raw), "top_logprobs": None})
+        else:
+            lp, top = item
+            out.append({**_entry(token_bytes, tok, lp), "top_logprobs": [_entry(token_bytes, t, v) for t, v in top]})
+    return out
 
 
 def _entry(token_bytes: TokenBytes, token_id: int, logprob: float) -> dict:

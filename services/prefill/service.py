@@ -202,10 +202,13 @@ class PrefillService(EngineWorker):
         """Load the longest stored prefix not cached here yet into the engine's prefix cache.
 
         At least one prompt token is always computed (its logits give the first
-        token), so a fully stored prompt loads all blocks but one. Returns the
+        token), so a fully stored prompt loads all blocks but one. Nothing is loaded for a
+        request that wants prompt logprobs: the engine computes its whole prompt. Returns the
         number of blocks loaded.
         """
         if self.engine.engine_kind == "vllm":  # its connector loads stored blocks itself (engine.vllm_connector)
+            return 0
+        if req.sampling.prompt_logprobs is not None:
             return 0
         bs = self.engine.config.block_size
         hashes = self.prompt_hashes(req)[: (len(req.prompt_token_ids) - 1) // bs]
@@ -264,6 +267,7 @@ class PrefillService(EngineWorker):
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
                            worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
                            num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs(),
+                           prompt_logprobs=out.wire_prompt_logprobs(),
                            prefix_path=out.prefix_path, num_replayed_tokens=out.num_replayed_tokens, offset=0)
         if out.finish_reason != "handoff":
             chunk.finish_reason = out.finish_reason
