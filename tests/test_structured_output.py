@@ -509,6 +509,43 @@ def test_response_format_and_guided_fields_through_the_mesh_and_400_naming_the_f
     assert e.value.body["param"] == "tools" and '"not"' in e.value.body["message"]
 
 
+def test_anthropic_output_config_format_through_the_mesh(mesh):
+    """Anthropic structured outputs (``output_config.format``) through the official client: the text
+    is an instance of the schema, streamed and not; the client's ``parse`` helper reads it back."""
+    import anthropic
+    from pydantic import BaseModel
+
+    schema = SCHEMAS["nested_objects"]
+    ask = [{"role": "user", "content": "A person and their city as JSON."}]
+    fmt = {"format": {"type": "json_schema", "schema": schema}}
+    with anthropic.Anthropic(base_url=mesh.gateway_url, api_key="unused", max_retries=0, timeout=120) as client:
+        msg = client.messages.create(model=DEFAULT_MODEL_NAME, max_tokens=MAX_TOKENS, messages=ask,
+                                     output_config=fmt)  # sampled (temperature 1)
+        assert msg.stop_reason == "end_turn" and [b.type for b in msg.content] == ["text"], msg
+        jsonschema.validate(json.loads(msg.content[0].text), schema)
+        with client.messages.stream(model=DEFAULT_MODEL_NAME, max_tokens=MAX_TOKENS, messages=ask, output_config=fmt,
+                                    extra_body={"temperature": 0}) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert final.stop_reason == "end_turn" and final.content[0].text == text
+        jsonschema.validate(json.loads(text), schema)
+
+        class Reading(BaseModel):
+            celsius: int
+            city: str
+
+        parsed = client.messages.parse(model=DEFAULT_MODEL_NAME, max_tokens=MAX_TOKENS, output_format=Reading,
+                                       messages=[{"role": "user", "content": "The temperature in Oslo as JSON."}],
+                                       extra_body={"temperature": 0})
+        assert isinstance(parsed.parsed_output, Reading), parsed
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model=DEFAULT_MODEL_NAME, max_tokens=8, messages=ask, output_config={
+                "format": {"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}})
+        err = e.value.body["error"]
+        assert err["type"] == "invalid_request_error" and "output_config.format" in err["message"]
+        assert "uniqueItems" in err["message"]
+
+
 def test_verification_passes_its_own_draft_masks(compiler, tok):
     """Speculative verification: the row after a draft token is masked as after that draft."""
     from deepinfer.engine.sampler import apply_logits_processors

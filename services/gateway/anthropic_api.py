@@ -6,9 +6,17 @@ turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``sto
 ``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema) with
 ``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force calls: the output is constrained
 to calls of those tools with ``input_schema``-valid inputs, ``disable_parallel_tool_use`` = one;
-``gateway.structured``), ``stream``, ``metadata`` (ignored). The ``anthropic-version`` and
-``x-api-key`` headers are accepted and ignored. DeepInfer extensions, as on chat completions:
-``traffic_class`` / ``cache_salt`` body fields and the ``X-Traffic-Class`` header.
+``gateway.structured``), ``output_config.format`` (``{"type": "json_schema", "schema"}``: the
+text is constrained to the schema, as chat's ``response_format``; not with tools in use, since a
+call could not be written then), ``stream``. Honoured as no-ops on a single-tenant server:
+``metadata`` (``user_id``), ``service_tier`` (one tier: standard), ``cache_control`` (the prefix
+cache caches every prompt by itself), and the ``anthropic-version``, ``x-api-key``,
+``anthropic-workspace-id`` and ``anthropic-user-profile-id`` headers. Refused with a 400 naming
+the field (``gateway.unsupported``): ``thinking`` (unless ``{"type": "disabled"}``), ``speed``
+(unless "standard"), ``output_config.effort``, ``container``, ``diagnostics``, ``inference_geo``,
+and any field the request does not declare (docs/api_fields.md). Extensions, as on chat
+completions: ``ignore_eos`` (vLLM's), ``traffic_class`` / ``cache_salt`` body fields and the
+``X-Traffic-Class`` header.
 
 The conversation becomes OpenAI-shaped template messages for the tokenizer: ``system`` first, a
 ``tool_use`` block becomes an assistant ``tool_calls`` entry, a ``tool_result`` block a ``tool``
@@ -51,14 +59,15 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Discriminator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
 from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import ContextLengthExceeded, OpenAIError, bad_request
 from deepinfer.gateway.images import ANTHROPIC
-from deepinfer.gateway.structured import tool_call_spec
+from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
+from deepinfer.gateway.unsupported import refused
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.limits import BodyTooLarge
 from deepinfer.gateway.stream import ClientGone, spawn
@@ -158,7 +167,25 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(_Strict):
+    """Structured outputs: the text is an instance of ``schema`` (a JSON schema)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    format: OutputFormat | None = None
+    effort: refused("effort levels are not supported (the model gives no reasoning)") = None
+
+
 class MessagesRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     model: str
     messages: list[InputMessage]
     max_tokens: int
@@ -170,8 +197,20 @@ class MessagesRequest(_Strict):
     stream: bool = False
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    # honoured as no-ops (the module docstring says why)
     metadata: dict | None = None
-    # DeepInfer extensions (as on chat completions)
+    service_tier: Literal["auto", "standard_only"] | None = None
+    cache_control: dict | None = None
+    # refused unless the value asks for what the server does anyway
+    thinking: refused("extended thinking is not supported; only type 'disabled'",
+                      takes=lambda v: v == {"type": "disabled"}) = None
+    speed: refused("only the 'standard' speed", takes=lambda v: v == "standard") = None
+    container: refused("containers (code execution) are not supported") = None
+    diagnostics: refused("diagnostics are not supported") = None
+    inference_geo: refused("choosing an inference region is not supported") = None
+    # extensions (as on chat completions)
+    ignore_eos: bool = False
     traffic_class: str | None = None
     cache_salt: str | None = None
 
@@ -185,7 +224,7 @@ class CountTokensRequest(_Strict):
 
 
 _FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, ImageSource,
-                      Tool, ToolChoice)
+                      Tool, ToolChoice, OutputConfig) | {"schema"}
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -275,8 +314,18 @@ def validate(req: MessagesRequest | CountTokensRequest, gw: Gateway) -> None:
 
 
 def structured_spec(req: MessagesRequest) -> dict | None:
-    """``SamplingParams.structured`` for a forcing ``tool_choice`` ("any" / "tool"), else None.
-    Raises 400 (``tools``) for an input_schema llguidance cannot enforce."""
+    """``SamplingParams.structured`` for ``output_config.format`` (the schema, as chat's
+    ``response_format``) or a forcing ``tool_choice`` ("any" / "tool"), else None. Raises 400 for a
+    format with tools in use (param ``output_config``), a schema or an input_schema llguidance cannot
+    enforce (``output_config.format``, ``tools``)."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        if tools_enabled(req):
+            raise bad_request("output_config.format cannot be combined with tools (unless tool_choice is "
+                              "'none'): the output is constrained to the schema, so no tool could be called",
+                              param="output_config")
+        param = "output_config.format"
+        return checked(response_format_spec("json_schema", {"schema": fmt.schema_}, param), param)
     choice = req.tool_choice
     if not req.tools or choice is None or choice.type not in ("any", "tool"):
         return None
@@ -411,6 +460,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         max_tokens=max_tokens,
+        ignore_eos=req.ignore_eos,
         structured=structured,
     )
     choices = new_choices(gw, request_id, 1, list(req.stop_sequences or []), traffic_class, req.cache_salt,

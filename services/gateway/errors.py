@@ -123,13 +123,19 @@ def mesh_errors(role: str, name: str, timeout: float, param: str | None = None, 
 
 
 def validation_error(errors: list[dict], field_names: set[str]) -> OpenAIError:
-    """400 for the most specific pydantic error, ``param`` naming the field (``messages[0].content``)."""
+    """400 for the most specific pydantic error, ``param`` naming the field (``messages[0].content``);
+    a field the model does not declare (``extra="forbid"``) is named as the client sent it."""
     if not errors:
         return bad_request("invalid request body")
     # NOTE: a union field fails once per member; the deepest location is the member that came closest.
     err = max(errors, key=lambda e: len(e.get("loc", ())))
     if err.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+    if err.get("type") == "extra_forbidden":  # a field the model does not declare: name it as sent
+        loc = err.get("loc", ())
+        where = _param_from_loc(loc[:-1], field_names)
+        param = f"{where}.{loc[-1]}" if where else str(loc[-1])
+        return bad_request(f"{param}: unknown parameter (not a field of this API)", param=param)
     param = _param_from_loc(err.get("loc", ()), field_names)
     if not param:
         return bad_request(f"request body must be a JSON object: {err.get('msg')}")

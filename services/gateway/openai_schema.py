@@ -1,7 +1,10 @@
 """OpenAI chat-completions wire shapes: the request model and the response builders.
 
 The request is parsed strictly from JSON (``"10"`` is not an int, ``1`` is not
-a bool) and unknown fields are ignored, as OpenAI does. vLLM extensions:
+a bool). A top-level field the request does not declare is a 400 naming it (OpenAI answers an
+unknown argument so too), and a declared field for a feature this server lacks is refused unless
+its value asks for what the server does anyway (``gateway.unsupported``; docs/api_fields.md lists
+every field: honoured, honoured as a no-op and why, refused). vLLM extensions:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (the response then carries
 ``prompt_token_ids`` at the top level and ``token_ids`` in each choice; in a
@@ -23,6 +26,9 @@ import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from deepinfer.gateway.unsupported import (CACHE_OPTIONS, MODERATION, OBFUSCATION, REASONING, TIER, VERBOSITY,
+                                           implicit_cache, openai_tier, refused)
 
 
 class _Strict(BaseModel):
@@ -132,10 +138,21 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: refused(OBFUSCATION, takes=lambda v: v is False) = None
+
+
+class Prediction(_Strict):
+    """A Predicted Output: text the answer is expected to repeat. It only speeds OpenAI up; the
+    output is the same with it or without, which is what this server gives (it is not used)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
 
 
 class SamplingRequest(_Strict):
     """Fields every OpenAI generation endpoint shares (chat and legacy completions)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -193,6 +210,26 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # honoured as no-ops on a single-tenant server: end-user ids and tags nothing here reads (``user``
+    # too), cache hints for a prefix cache that caches every prompt by itself, a latency hint
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prediction: Prediction | None = None
+    # refused unless the value asks for what the server does anyway
+    store: refused("chat completions are not stored (there is no API to read them back); only false",
+                   takes=lambda v: v is False) = None
+    service_tier: refused(TIER, takes=openai_tier) = None
+    modalities: refused("only the text output modality is supported", takes=lambda v: v == ["text"]) = None
+    reasoning_effort: refused(REASONING, takes=lambda v: v == "none") = None
+    prompt_cache_options: refused(CACHE_OPTIONS, takes=implicit_cache) = None
+    verbosity: refused(VERBOSITY) = None
+    audio: refused("audio output is not supported") = None
+    functions: refused("the deprecated functions are not supported; use tools") = None
+    function_call: refused("the deprecated function_call is not supported; use tools and tool_choice") = None
+    moderation: refused(MODERATION) = None
+    web_search_options: refused("web search is not supported") = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -209,7 +246,7 @@ def field_names() -> set[str]:
     """Every field name of the request models (to name ``param`` in validation errors)."""
     names: set[str] = set()
     for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions, ToolCallIn,
-                  FunctionCall, ToolSpec, FunctionSpec, ResponseFormat):
+                  FunctionCall, ToolSpec, FunctionSpec, ResponseFormat, Prediction):
         names |= set(model.model_fields)
     return names
 

@@ -9,9 +9,19 @@ first; not carried over by ``previous_response_id``, as OpenAI does), ``max_outp
 (``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
 calls of those tools, ``parallel_tool_calls: false`` = one), ``text.format`` (``json_object``, or
 ``json_schema`` with ``schema``: the output is constrained to it; ``gateway.structured``), ``stream``,
-``store`` (default true), ``previous_response_id``, ``metadata``, ``user``; ``reasoning``,
-``truncation``, ``include`` and unknown fields are ignored. DeepInfer extensions:
-``traffic_class`` / ``cache_salt`` and the ``X-Traffic-Class`` header, as on chat completions.
+``store`` (default true), ``previous_response_id``, ``metadata``, ``user``. Honoured as no-ops:
+``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``max_tool_calls`` (it
+counts built-in tool calls; there are none here) and ``include`` values naming items this server
+never outputs (``reasoning.encrypted_content``, web / file search, code interpreter, computer call
+outputs). Refused with a 400 naming the field unless the value asks for what the server does anyway
+(``gateway.unsupported``): ``background`` (false), ``truncation`` ("disabled"), ``reasoning``
+(effort "none"), ``service_tier`` ("auto" / "default"), ``top_logprobs`` (0), ``stream_options``
+(no obfuscation), ``text.verbosity``, ``prompt_cache_options`` (implicit), ``image``
+(compression "auto" / "disabled"), ``context_management`` ([]), ``include`` of logprobs or input
+image URLs, ``conversation``, ``prompt``, ``moderation``, ``background_options``,
+``access_programs``; an undeclared field is a 400 too (docs/api_fields.md). Extensions:
+``ignore_eos`` (vLLM's), ``traffic_class`` / ``cache_salt`` and the ``X-Traffic-Class`` header, as
+on chat completions.
 
 Items become OpenAI-shaped template messages for the tokenizer (roles as sent), a
 ``function_call`` joins the assistant message before it as a ``tool_calls`` entry, a
@@ -70,6 +80,8 @@ from deepinfer.gateway.images import RESPONSES
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
 from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
+from deepinfer.gateway.unsupported import (CACHE_OPTIONS, MODERATION, OBFUSCATION, REASONING, TIER, VERBOSITY,
+                                           implicit_cache, no_obfuscation, no_reasoning, openai_tier, refused)
 from deepinfer.protocol import SamplingParams
 from deepinfer.telemetry import get_logger
 
@@ -205,9 +217,24 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
+    verbosity: refused(VERBOSITY) = None
+
+
+# ``include`` values about items this server never outputs (no reasoning, no built-in tools): what
+# they ask to include is never there
+NOTHING_TO_INCLUDE = ("reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources",
+                      "file_search_call.results", "code_interpreter_call.outputs",
+                      "computer_call_output.output.image_url")
+
+
+def _image_options(value) -> bool:
+    return (isinstance(value, dict) and set(value) <= {"context_compression"}
+            and value.get("context_compression", "auto") in ("auto", "disabled"))
 
 
 class ResponsesRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     input: str | list[Item]
     model: str | None = None
     instructions: str | None = None
@@ -223,7 +250,34 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     text: TextConfig | None = None
-    # DeepInfer extensions (as on chat completions)
+    # honoured as no-ops (the module docstring says why)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    max_tool_calls: int | None = None
+    # refused unless the value asks for what the server does anyway
+    include: refused("only values about items this server never outputs ("
+                     + ", ".join(NOTHING_TO_INCLUDE) + "); logprobs and input image URLs are not supported",
+                     takes=lambda v: isinstance(v, list) and all(x in NOTHING_TO_INCLUDE for x in v)) = None
+    background: refused("background responses are not supported; only false", takes=lambda v: v is False) = None
+    truncation: refused("only 'disabled' (a conversation over the context is a 400)",
+                        takes=lambda v: v == "disabled") = None
+    reasoning: refused(REASONING, takes=no_reasoning) = None
+    service_tier: refused(TIER, takes=openai_tier) = None
+    top_logprobs: refused("logprobs are not supported on this API; only 0",
+                           takes=lambda v: type(v) is int and v == 0) = None
+    stream_options: refused(OBFUSCATION, takes=no_obfuscation) = None
+    prompt_cache_options: refused(CACHE_OPTIONS, takes=implicit_cache) = None
+    image: refused("image context compression is not supported; only 'auto' or 'disabled'",
+                   takes=_image_options) = None
+    context_management: refused("context management (compaction) is not supported", takes=lambda v: v == []) = None
+    conversation: refused("conversations are not supported; use previous_response_id") = None
+    prompt: refused("prompt templates are not supported") = None
+    moderation: refused(MODERATION) = None
+    background_options: refused("background responses are not supported") = None
+    access_programs: refused("access programs are not supported") = None
+    # extensions (as on chat completions)
+    ignore_eos: bool = False
     traffic_class: str | None = None
     cache_salt: str | None = None
 
@@ -248,6 +302,8 @@ def validate(req: ResponsesRequest, gw: Gateway) -> None:
         raise bad_request(f"temperature must be between 0 and 2, got {req.temperature}", param="temperature")
     if req.top_p is not None and not (0 < req.top_p <= 1):
         raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.max_tool_calls is not None and req.max_tool_calls < 0:
+        raise bad_request(f"max_tool_calls must be >= 0, got {req.max_tool_calls}", param="max_tool_calls")
     names = set()
     for tool in req.tools or []:
         if not TOOL_NAME.match(tool.name):
@@ -437,6 +493,7 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         max_tokens=max_tokens,
+        ignore_eos=req.ignore_eos,
         structured=structured,
     )
     choices = new_choices(gw, request_id, 1, [], traffic_class, req.cache_salt, images=images,

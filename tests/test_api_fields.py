@@ -1,0 +1,466 @@
+"""Every request field of each API, as the official clients define it, is honoured or refused.
+
+The walk reads the request types of the installed ``openai`` and ``anthropic`` clients. Each of
+their fields must be in the API's ``honoured`` table, naming the test that shows its effect (for a
+no-op: that it changes nothing, and the table says why that is what the field means here), or in
+its ``refused`` table with a plausible value that asks for something this server does not do, which
+must be a 400 naming the field. A field a newer client adds fails the walk until it is put in one
+of them. Requests go to the fake-worker gateway of ``gateway_harness``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import anthropic
+import openai
+import openai.types.chat.completion_create_params as chat_params
+import openai.types.completion_create_params as completion_params
+import openai.types.responses.response_create_params as response_params
+import anthropic.types.message_create_params as message_params
+import pytest
+
+from deepinfer.gateway import anthropic_api, openai_schema, responses_api
+from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
+from test_gateway import TOKENIZER, assert_openai_error
+
+TESTS = Path(__file__).parent
+HELLO = [{"role": "user", "content": "Say hello"}]
+
+
+def noop(test: str, why: str) -> tuple[str, str]:
+    """A field honoured by doing nothing, with the reason that is its documented meaning here."""
+    return test, why
+
+
+CHAT_NOOPS = "test_api_fields.py::test_chat_no_op_fields_change_nothing"
+RESPONSES_NOOPS = "test_api_fields.py::test_responses_no_op_fields_change_nothing"
+MESSAGES_NOOPS = "test_api_fields.py::test_anthropic_no_op_fields_change_nothing"
+SINGLE_TENANT = "an id or tag about the caller's end user; one tenant, nothing here bills, ranks or audits by it"
+CACHE_HINT = ("a caching hint: the prefix cache caches every prompt's blocks by itself and keeps them by LRU, "
+              "so the output and what is cached are what the hint asks for or better")
+
+CHAT = {
+    "path": "/v1/chat/completions",
+    "module": chat_params,
+    "model": openai_schema.ChatCompletionRequest,
+    "body": lambda model: {"model": model, "messages": HELLO},
+    "honoured": {
+        "messages": "test_gateway.py::test_text_content_parts_are_joined",
+        "model": "test_gateway.py::test_unknown_model_is_404_model_not_found",
+        "max_tokens": "test_gateway.py::test_sampling_defaults_and_extensions_reach_prefill",
+        "max_completion_tokens": "test_gateway.py::test_sampling_defaults_and_extensions_reach_prefill",
+        "temperature": "test_gateway.py::test_sampling_defaults_and_extensions_reach_prefill",
+        "top_p": "test_gateway.py::test_sampling_defaults_and_extensions_reach_prefill",
+        "seed": "test_gateway.py::test_sampling_defaults_and_extensions_reach_prefill",
+        "n": "test_gateway_sampling.py::test_n_choices_are_independent_requests_with_derived_seeds",
+        "frequency_penalty": "test_gateway_sampling.py::test_every_sampling_knob_reaches_prefill",
+        "presence_penalty": "test_gateway_sampling.py::test_every_sampling_knob_reaches_prefill",
+        "logit_bias": "test_gateway_sampling.py::test_every_sampling_knob_reaches_prefill",
+        "logprobs": "test_gateway_sampling.py::test_logprobs_have_openais_exact_shape",
+        "top_logprobs": "test_gateway_sampling.py::test_logprobs_have_openais_exact_shape",
+        "stop": "test_gateway.py::test_stop_strings_cut_text_identically_when_streaming",
+        "stream": "test_gateway.py::test_streamed_text_equals_non_streamed_text_across_split_utf8",
+        "stream_options": "test_gateway.py::test_usage_block_counts_prompt_completion_and_cached_tokens",
+        "tools": "test_gateway.py::test_tool_calls_are_parsed_streaming_and_not_with_the_official_client",
+        "tool_choice": "test_structured_output.py::test_forced_tool_calls_and_auto_through_the_official_client",
+        "parallel_tool_calls":
+            "test_structured_output.py::test_forced_tool_calls_and_auto_through_the_official_client",
+        "response_format":
+            "test_structured_output.py::test_response_format_and_guided_fields_through_the_mesh_and_400_naming_the_feature",
+        "user": noop(CHAT_NOOPS, SINGLE_TENANT),
+        "safety_identifier": noop(CHAT_NOOPS, SINGLE_TENANT),
+        "metadata": noop(CHAT_NOOPS, "tags for filtering stored completions in OpenAI's dashboard; there is none"),
+        "prompt_cache_key": noop(CHAT_NOOPS, CACHE_HINT),
+        "prompt_cache_retention": noop(CHAT_NOOPS, CACHE_HINT),
+        "prediction": noop(CHAT_NOOPS, "a Predicted Output only makes OpenAI faster; the output is the same "
+                                       "without it, which is what this server gives"),
+    },
+    "refused": {
+        "audio": {"voice": "alloy", "format": "wav"},
+        "function_call": "auto",
+        "functions": [{"name": "f", "parameters": {"type": "object", "properties": {}}}],
+        "modalities": ["text", "audio"],
+        "moderation": {"model": "omni-moderation-latest"},
+        "prompt_cache_options": {"mode": "explicit"},
+        "reasoning_effort": "high",
+        "service_tier": "flex",
+        "store": True,
+        "verbosity": "low",
+        "web_search_options": {"search_context_size": "low"},
+    },
+}
+
+COMPLETIONS = {
+    "path": "/v1/completions",
+    "module": completion_params,
+    "model": openai_schema.CompletionRequest,
+    "body": lambda model: {"model": model, "prompt": "Once upon a time"},
+    "honoured": {
+        "prompt": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "max_tokens": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "stop": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "stream": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "stream_options": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "echo": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+        "logprobs": "test_gateway_sampling.py::test_completions_logprobs_have_the_legacy_shape",
+        "model": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "n": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "seed": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "temperature": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "top_p": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "frequency_penalty": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "presence_penalty": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "logit_bias": "test_api_fields.py::test_completions_sampling_fields_reach_prefill",
+        "user": noop("test_api_fields.py::test_completions_sampling_fields_reach_prefill", SINGLE_TENANT),
+    },
+    "refused": {
+        "suffix": "\n    return x",
+        "best_of": 3,
+    },
+}
+
+RESPONSES = {
+    "path": "/v1/responses",
+    "module": response_params,
+    "model": responses_api.ResponsesRequest,
+    "body": lambda model: {"model": model, "input": "Say hello", "store": False},
+    "honoured": {
+        "input": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "instructions": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "temperature": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "top_p": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "max_output_tokens": "test_gateway_responses.py::test_max_output_tokens_makes_the_response_incomplete",
+        "model": "test_gateway_responses.py::test_server_is_healthy_after_the_malformed_suite",
+        "stream": "test_gateway_responses.py::test_stream_event_sequence_and_text_equal_the_non_streamed_response",
+        "tools": "test_gateway_responses.py::test_function_calls_streamed_and_not",
+        "store": "test_gateway_responses.py::test_unstored_unknown_and_deleted_responses_are_404",
+        "previous_response_id": "test_gateway_responses.py::test_previous_response_id_continues_the_conversation",
+        "tool_choice": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "parallel_tool_calls": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "text": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "metadata": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "user": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "safety_identifier": noop(RESPONSES_NOOPS, SINGLE_TENANT),
+        "prompt_cache_key": noop(RESPONSES_NOOPS, CACHE_HINT),
+        "prompt_cache_retention": noop(RESPONSES_NOOPS, CACHE_HINT),
+        "max_tool_calls": noop(RESPONSES_NOOPS, "it bounds calls of built-in tools; there are none here "
+                                                "(only function tools, which it does not count)"),
+    },
+    "refused": {
+        "access_programs": {"cyber": "daybreak_blue"},
+        "background": True,
+        "background_options": {"completion_window": "2h"},
+        "context_management": [{"type": "compaction", "compact_threshold": 1000}],
+        "conversation": "conv_123",
+        "image": {"context_compression": "enabled"},
+        "include": ["message.output_text.logprobs"],
+        "moderation": {"model": "omni-moderation-latest"},
+        "prompt": {"id": "pmpt_123"},
+        "prompt_cache_options": {"prewarm": True},
+        "reasoning": {"effort": "high"},
+        "service_tier": "priority",
+        "stream_options": {"include_obfuscation": True},
+        "top_logprobs": 5,
+        "truncation": "auto",
+    },
+}
+
+MESSAGES = {
+    "path": "/v1/messages",
+    "module": message_params,
+    "model": anthropic_api.MessagesRequest,
+    "body": lambda model: {"model": model, "max_tokens": 50, "messages": HELLO},
+    "honoured": {
+        "model": "test_gateway_anthropic.py::test_server_is_healthy_after_the_malformed_suite",
+        "max_tokens": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "messages": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "system": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "temperature": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "top_p": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "top_k": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "stop_sequences":
+            "test_gateway_anthropic.py::test_stop_sequence_cuts_the_text_reports_it_and_aborts_the_worker",
+        "stream": "test_gateway_anthropic.py::test_stream_event_sequence_and_text_equal_the_non_streamed_message",
+        "tools": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "tool_choice": "test_gateway_anthropic.py::test_tool_choice_none_sends_no_tools_and_parses_nothing",
+        "output_config": "test_structured_output.py::test_anthropic_output_config_format_through_the_mesh",
+        "metadata": noop(MESSAGES_NOOPS, SINGLE_TENANT),
+        "service_tier": noop(MESSAGES_NOOPS, "one tier serves every request: 'auto' finds no priority capacity "
+                                             "and uses standard, which is what 'standard_only' asks"),
+        "cache_control": noop(MESSAGES_NOOPS, CACHE_HINT),
+        # the client sends these two as headers (anthropic-user-profile-id, anthropic-workspace-id)
+        "user_profile_id": noop(MESSAGES_NOOPS, SINGLE_TENANT),
+        "workspace_id": noop(MESSAGES_NOOPS, "it picks among a credential's workspaces; this server has one "
+                                             "and no credentials (x-api-key is not checked either)"),
+    },
+    "refused": {
+        "container": "container_123",
+        "diagnostics": {"previous_message_id": "msg_123"},
+        "inference_geo": "eu",
+        "speed": "fast",
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    },
+}
+
+APIS = {"chat": CHAT, "completions": COMPLETIONS, "responses": RESPONSES, "messages": MESSAGES}
+SENT_AS_HEADERS = {"user_profile_id", "workspace_id"}  # by the anthropic client, not in the body
+
+
+def client_fields(module) -> set[str]:
+    """The request fields of a client's ``create`` params (the base TypedDict and its streaming forms)."""
+    names: set[str] = set()
+    for name in dir(module):
+        if name.endswith(("ParamsBase", "ParamsStreaming", "ParamsNonStreaming")):
+            names |= set(getattr(module, name).__annotations__)
+    assert names, f"no request params found in {module.__name__}"
+    return names
+
+
+def defined_tests(file: str) -> set[str]:
+    tree = ast.parse((TESTS / file).read_text())
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+# --- the walk ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_every_client_field_is_honoured_or_refused(api):
+    spec = APIS[api]
+    fields = client_fields(spec["module"])
+    honoured, refused = spec["honoured"], spec["refused"]
+    unclassified = sorted(fields - set(honoured) - set(refused))
+    assert not unclassified, (
+        f"{api}: the {spec['module'].__name__} request has fields this gateway neither honours nor refuses: "
+        f"{unclassified}. Implement each (and add it to 'honoured' with the test of its effect) or refuse it "
+        f"(gateway.unsupported.refused; add it to 'refused' with a value the server cannot honour).")
+    assert not set(honoured) & set(refused)
+    for field, ref in honoured.items():
+        test = ref[0] if isinstance(ref, tuple) else ref
+        file, name = test.split("::")
+        assert name in defined_tests(file), f"{api}.{field}: no test {test}"
+        if isinstance(ref, tuple):
+            assert ref[1], f"{api}.{field}: a no-op needs its reason"
+        if field not in SENT_AS_HEADERS:  # declared, or the request model would refuse it as unknown
+            assert field in spec["model"].model_fields, f"{api}.{field} is honoured but not declared"
+    for field in refused:
+        assert field in spec["model"].model_fields, f"{api}.{field}: refused fields are declared, with their reason"
+
+
+REFUSALS = [(api, field, value) for api, spec in APIS.items() for field, value in spec["refused"].items()]
+
+
+def assert_refused(r, api: str, field: str) -> None:
+    if api == "messages":
+        assert r.status_code == 400, r.text
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert field in err["error"]["message"], err
+    else:
+        err = assert_openai_error(r, 400, param=field)
+        assert field in err["message"], err
+
+
+@pytest.mark.parametrize("api, field, value", REFUSALS, ids=[f"{a}-{f}" for a, f, _ in REFUSALS])
+async def test_refused_fields_are_400_naming_them(client, gateway, workers, api, field, value):
+    spec = APIS[api]
+    before = len(workers.prefill_requests), len(workers.tokenizer_requests)
+    for stream in (False, True):
+        r = await client.post(spec["path"], json={**spec["body"](gateway.model), "stream": stream, field: value})
+        assert not r.headers["content-type"].startswith("text/event-stream")
+        assert_refused(r, api, field)
+    assert (len(workers.prefill_requests), len(workers.tokenizer_requests)) == before  # nothing was run
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_a_field_the_api_does_not_define_is_400_naming_it(client, gateway, workers, api):
+    spec = APIS[api]
+    before = len(workers.prefill_requests)
+    r = await client.post(spec["path"], json={**spec["body"](gateway.model), "frobnicate": True})
+    assert_refused(r, api, "frobnicate")
+    assert "unknown parameter" in r.text
+    assert len(workers.prefill_requests) == before
+
+
+@pytest.mark.parametrize("api, body, field", [
+    ("chat", {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ("completions", {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ("responses", {"text": {"verbosity": "high"}}, "text.verbosity"),
+    ("messages", {"output_config": {"effort": "low"}}, "output_config.effort"),
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {}, "strict": True}}},
+     "output_config.format.strict"),
+])
+async def test_refused_nested_fields_are_400_naming_their_path(client, gateway, api, body, field):
+    spec = APIS[api]
+    r = await client.post(spec["path"], json={**spec["body"](gateway.model), **body})
+    assert_refused(r, api, field)
+
+
+# --- no-ops change nothing ------------------------------------------------------------------------
+
+
+async def same_run(client, workers, path: str, body: dict, extra: dict, text_of) -> None:
+    """``body`` with ``extra`` runs exactly as ``body``: same prompt, sampling and output, streamed too."""
+    r = await client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    want = workers.prefill_requests[-1]
+    for stream in (False, True):
+        r = await client.post(path, json={**body, **extra, "stream": stream})
+        assert r.status_code == 200, r.text
+        got = workers.prefill_requests[-1]
+        assert got.request_id != want.request_id
+        assert (got.prompt_token_ids, got.sampling) == (want.prompt_token_ids, want.sampling)
+        if not stream:
+            assert text_of(r.json()) == "Hello there!"
+
+
+async def test_chat_no_op_fields_change_nothing(client, gateway, workers, script):
+    script()
+    no_ops = {"user": "u-1", "safety_identifier": "hash-1", "metadata": {"team": "a"}, "prompt_cache_key": "k",
+              "prompt_cache_retention": "24h", "prediction": {"type": "content", "content": "Hello there!"},
+              # the values of refused fields that ask for what the server does anyway
+              "store": False, "service_tier": "default", "modalities": ["text"], "reasoning_effort": "none",
+              "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+              "stream_options": {"include_obfuscation": False}}
+    await same_run(client, workers, CHAT["path"], CHAT["body"](gateway.model), no_ops,
+                   lambda b: b["choices"][0]["message"]["content"])
+    # the official client sends them as they are
+    sdk = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    r = await sdk.chat.completions.create(model=gateway.model, messages=HELLO, service_tier="auto", store=False,
+                                          safety_identifier="h", prompt_cache_key="k", user="u", metadata={"a": "b"})
+    assert r.choices[0].message.content == "Hello there!"
+    await sdk.close()
+
+
+async def test_responses_no_op_fields_change_nothing(client, gateway, workers, script):
+    script()
+    no_ops = {"safety_identifier": "hash-1", "prompt_cache_key": "k", "prompt_cache_retention": "in_memory",
+              "max_tool_calls": 2, "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
+              # the values of refused fields that ask for what the server does anyway
+              "background": False, "truncation": "disabled", "reasoning": {"effort": "none", "summary": None},
+              "service_tier": "auto", "top_logprobs": 0, "stream_options": {"include_obfuscation": False},
+              "prompt_cache_options": {"mode": "implicit"}, "image": {"context_compression": "auto"},
+              "context_management": []}
+    await same_run(client, workers, RESPONSES["path"], RESPONSES["body"](gateway.model), no_ops,
+                   lambda b: b["output"][0]["content"][0]["text"])
+
+
+async def test_anthropic_no_op_fields_change_nothing(client, gateway, workers, script):
+    script()
+    no_ops = {"metadata": {"user_id": "u-1"}, "service_tier": "standard_only",
+              "cache_control": {"type": "ephemeral", "ttl": "1h"},
+              # the values of refused fields that ask for what the server does anyway
+              "thinking": {"type": "disabled"}, "speed": "standard"}
+    await same_run(client, workers, MESSAGES["path"], MESSAGES["body"](gateway.model), no_ops,
+                   lambda b: b["content"][0]["text"])
+    want = workers.prefill_requests[-1]
+    sdk = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    msg = await sdk.messages.create(model=gateway.model, max_tokens=50, messages=HELLO, service_tier="auto",
+                                    user_profile_id="prof-1", workspace_id="wrkspc_1", metadata={"user_id": "u"})
+    assert msg.content[0].text == "Hello there!"
+    got = workers.prefill_requests[-1]
+    assert (got.prompt_token_ids, got.sampling) == (want.prompt_token_ids, want.sampling)
+    await sdk.close()
+
+
+# --- effects not shown elsewhere ------------------------------------------------------------------
+
+
+async def test_completions_sampling_fields_reach_prefill(client, gateway, workers, script):
+    script(text="ok")
+    body = {"model": gateway.model, "prompt": "Once", "n": 2, "seed": 11, "temperature": 0.3, "top_p": 0.7,
+            "frequency_penalty": 0.4, "presence_penalty": -0.2, "logit_bias": {"7": -5}, "max_tokens": 5}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    first, second = workers.prefill_requests[-2:]
+    assert first.prompt_token_ids == TOKENIZER.encode("Once").ids
+    s = first.sampling
+    assert (s.temperature, s.top_p, s.frequency_penalty, s.presence_penalty, s.max_tokens) == (0.3, 0.7, 0.4, -0.2, 5)
+    assert s.logit_bias == {7: -5.0}
+    assert sorted([first.sampling.seed, second.sampling.seed]) == [11, 12]  # n choices: seed + i
+    # user: an end-user id, nothing changes
+    r = await client.post("/v1/completions", json={**body, "n": 1, "user": "u-1"})
+    assert r.status_code == 200 and workers.prefill_requests[-1].sampling == s
+    r = await client.post("/v1/completions", json={**body, "model": "gpt-nope"})
+    assert_openai_error(r, 404, param="model", code="model_not_found")
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+async def test_responses_text_format_forced_calls_and_echoed_fields(client, gateway, workers, script):
+    script(text='{"answer": "hi"}')
+    r = await client.post("/v1/responses", json={
+        "model": gateway.model, "input": "Answer as JSON", "store": False, "metadata": {"run": "7"}, "user": "u-1",
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert workers.prefill_requests[-1].sampling.structured == {"type": "json_schema", "schema": SCHEMA}
+    assert json.loads(body["output"][0]["content"][0]["text"]) == {"answer": "hi"}
+    assert (body["metadata"], body["user"]) == ({"run": "7"}, "u-1")  # echoed, as OpenAI does
+
+    script(text='<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    forced = []
+    for choice, parallel in (("required", False), ({"type": "function", "name": "get_weather"}, True)):
+        r = await client.post("/v1/responses", json={
+            "model": gateway.model, "input": "Weather in Paris?", "store": False, "tools": [WEATHER],
+            "tool_choice": choice, "parallel_tool_calls": parallel})
+        assert r.status_code == 200, r.text
+        assert [o["type"] for o in r.json()["output"]] == ["function_call"]
+        spec = workers.prefill_requests[-1].sampling.structured
+        assert spec["type"] == "grammar" and "get_weather" in spec["lark"]
+        forced.append(spec["lark"])
+    one, many = forced
+    assert one.startswith("start: call\n") and many.startswith('start: call ("\\n" call)*')
+    r = await client.post("/v1/responses", json={"model": gateway.model, "input": "hi", "store": False,
+                                                 "tools": [WEATHER], "tool_choice": "auto"})
+    assert r.status_code == 200 and workers.prefill_requests[-1].sampling.structured is None
+
+
+async def test_ignore_eos_reaches_the_workers_on_responses_and_messages(client, gateway, workers, script):
+    script()
+    for path, body in ((RESPONSES["path"], RESPONSES["body"](gateway.model)),
+                       (MESSAGES["path"], MESSAGES["body"](gateway.model))):
+        for flag in (True, False):
+            r = await client.post(path, json={**body, "ignore_eos": flag})
+            assert r.status_code == 200, r.text
+            assert workers.prefill_requests[-1].sampling.ignore_eos is flag
+
+
+async def test_anthropic_output_config_format_reaches_the_workers(client, gateway, workers, script):
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}
+    for stream in (False, True):
+        script(text='{"answer": "hi"}')
+        body = {**MESSAGES["body"](gateway.model), **fmt}
+        if stream:
+            events = await sse_events(client, "/v1/messages", {**body, "stream": True})
+            text = "".join(d["delta"]["text"] for name, d in events if name == "content_block_delta")
+        else:
+            r = await client.post("/v1/messages", json=body)
+            assert r.status_code == 200, r.text
+            text = r.json()["content"][0]["text"]
+        assert json.loads(text) == {"answer": "hi"}
+        assert workers.prefill_requests[-1].sampling.structured == {"type": "json_schema", "schema": SCHEMA}
+    # tools offered but not to be used: the schema applies
+    script(text='{"answer": "hi"}')
+    tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
+    r = await client.post("/v1/messages", json={**MESSAGES["body"](gateway.model), **fmt, "tools": [tool],
+                                                "tool_choice": {"type": "none"}})
+    assert r.status_code == 200 and workers.prefill_requests[-1].sampling.structured["type"] == "json_schema"
+    before = len(workers.prefill_requests)
+    bad = [({"tools": [tool]}, "output_config"),
+           ({"tools": [tool], "tool_choice": {"type": "any"}}, "output_config"),
+           ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}}},
+            "uniqueItems"),
+           ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type")]
+    for extra, named in bad:
+        r = await client.post("/v1/messages", json={**MESSAGES["body"](gateway.model), **fmt, **extra})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert named in r.json()["error"]["message"], r.text
+    assert len(workers.prefill_requests) == before
