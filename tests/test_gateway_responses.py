@@ -352,7 +352,7 @@ MALFORMED = [
     ("json_schema text format with an unsupported keyword", lambda m: body(m, text={"format": {
         "type": "json_schema", "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), 400, "text"),
     ("prompt + max_output_tokens over the context", lambda m: body(m, max_output_tokens=100_000), 400,
-     "max_output_tokens"),
+     "input"),  # (OpenAI's context_length_exceeded names the prompt's field)
     ("template refuses the content", lambda m: body(m, input="TRIGGER_BAD_REQUEST"), 400, "input"),
     ("unknown model", lambda m: body("gpt-nope"), 404, "model"),
     ("unknown previous_response_id", lambda m: body(m, previous_response_id="resp_unknown"), 404,
