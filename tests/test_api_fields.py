@@ -23,8 +23,9 @@ import anthropic.types.message_create_params as message_params
 import pytest
 
 from deepinfer.gateway import anthropic_api, openai_schema, responses_api
+from deepinfer.protocol import subjects
 from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
-from test_gateway import TOKENIZER, assert_openai_error
+from test_gateway import TOKENIZER, assert_openai_error, eventually, stream_events
 
 TESTS = Path(__file__).parent
 HELLO = [{"role": "user", "content": "Say hello"}]
@@ -66,8 +67,7 @@ CHAT = {
         "stream_options": "test_gateway.py::test_usage_block_counts_prompt_completion_and_cached_tokens",
         "tools": "test_gateway.py::test_tool_calls_are_parsed_streaming_and_not_with_the_official_client",
         "tool_choice": "test_structured_output.py::test_forced_tool_calls_and_auto_through_the_official_client",
-        "parallel_tool_calls":
-            "test_structured_output.py::test_forced_tool_calls_and_auto_through_the_official_client",
+        "parallel_tool_calls": "test_api_fields.py::test_parallel_tool_calls_off_ends_the_turn_at_the_first_call",
         "response_format":
             "test_structured_output.py::test_response_format_and_guided_fields_through_the_mesh_and_400_naming_the_feature",
         "user": noop(CHAT_NOOPS, SINGLE_TENANT),
@@ -139,7 +139,7 @@ RESPONSES = {
         "store": "test_gateway_responses.py::test_unstored_unknown_and_deleted_responses_are_404",
         "previous_response_id": "test_gateway_responses.py::test_previous_response_id_continues_the_conversation",
         "tool_choice": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
-        "parallel_tool_calls": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "parallel_tool_calls": "test_api_fields.py::test_parallel_tool_calls_off_ends_the_turn_at_the_first_call",
         "text": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
         "metadata": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
         "user": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
@@ -464,3 +464,89 @@ async def test_anthropic_output_config_format_reaches_the_workers(client, gatewa
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
         assert named in r.json()["error"]["message"], r.text
     assert len(workers.prefill_requests) == before
+
+
+CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
+TWO_CALLS = "Checking. " + CALL.format("Paris") + "\n" + CALL.format("Oslo") + " Done."
+
+
+async def test_parallel_tool_calls_off_ends_the_turn_at_the_first_call(client, gateway, workers, script):
+    """Tools offered, nothing forced: with parallel calls off the output stops at its first call (the
+    worker is aborted there, as for a stop string); with them on every call is returned."""
+    tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
+
+    def chat_calls(body):  # (text, calls' cities, finish reason) of a chat completion
+        choice = body["choices"][0]
+        calls = [json.loads(c["function"]["arguments"])["city"] for c in choice["message"].get("tool_calls") or []]
+        return choice["message"]["content"], calls, choice["finish_reason"]
+
+    def chat_stream_calls(events):
+        deltas = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+        text = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [json.loads(c["function"]["arguments"])["city"] for d in deltas for c in d["delta"].get("tool_calls") or []]
+        return text or None, calls, deltas[-1]["finish_reason"]
+
+    async def chat(parallel, stream):
+        body = {"model": gateway.model, "messages": HELLO, "tools": [chat_tool], "stream": stream}
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+        if stream:
+            return chat_stream_calls(await stream_events(client, body))
+        r = await client.post(CHAT["path"], json=body)
+        assert r.status_code == 200, r.text
+        return chat_calls(r.json())
+
+    async def responses(parallel, stream):
+        body = {"model": gateway.model, "input": "Weather?", "store": False, "tools": [WEATHER],
+                "parallel_tool_calls": parallel}
+        if stream:
+            events = await sse_events(client, RESPONSES["path"], {**body, "stream": True})
+            out = [d for name, d in events if name in ("response.completed", "response.incomplete")][0]["response"]
+        else:
+            r = await client.post(RESPONSES["path"], json=body)
+            assert r.status_code == 200, r.text
+            out = r.json()
+        text = "".join(p["text"] for o in out["output"] if o["type"] == "message" for p in o["content"])
+        calls = [json.loads(o["arguments"])["city"] for o in out["output"] if o["type"] == "function_call"]
+        return text or None, calls, out["status"]
+
+    async def messages(parallel, stream):
+        body = {**MESSAGES["body"](gateway.model), "tools": [tool],
+                "tool_choice": {"type": "auto", "disable_parallel_tool_use": not parallel}}
+        if stream:
+            events = await sse_events(client, MESSAGES["path"], {**body, "stream": True})
+            blocks, text, calls = {}, "", []
+            for name, d in events:
+                if name == "content_block_start":
+                    blocks[d["index"]] = d["content_block"]["type"]
+                elif name == "content_block_delta" and d["delta"]["type"] == "text_delta":
+                    text += d["delta"]["text"]
+                elif name == "content_block_delta":
+                    calls.append(json.loads(d["delta"]["partial_json"])["city"])
+            reason = [d for name, d in events if name == "message_delta"][0]["delta"]["stop_reason"]
+            return text or None, calls, reason
+        r = await client.post(MESSAGES["path"], json=body)
+        assert r.status_code == 200, r.text
+        msg = r.json()
+        text = "".join(b["text"] for b in msg["content"] if b["type"] == "text")
+        return text or None, [b["input"]["city"] for b in msg["content"] if b["type"] == "tool_use"], msg["stop_reason"]
+
+    # chat keeps text exactly ("Checking. "); Responses and Messages have text blocks around calls
+    cases = [(chat, False, ("Checking. ", ["Paris"], "tool_calls")),
+             (chat, None, ("Checking.  Done.", ["Paris", "Oslo"], "tool_calls")),
+             (responses, False, ("Checking.", ["Paris"], "completed")),
+             (responses, True, ("Checking.Done.", ["Paris", "Oslo"], "completed")),
+             (messages, False, ("Checking.", ["Paris"], "tool_use")),
+             (messages, True, ("Checking.Done.", ["Paris", "Oslo"], "tool_use"))]
+    for run, parallel, want in cases:
+        for stream in (False, True):
+            script(text=TWO_CALLS, tokens_per_chunk=3, delay_s=0.002)
+            got = await run(parallel, stream)
+            assert got == want, (run.__name__, parallel, stream, got)
+            rid = workers.prefill_requests[-1].request_id
+            if parallel is False:  # the worker is stopped at the call
+                await eventually(lambda: (subjects.DECODE_ABORT_ANY, rid) in workers.aborts)
+            else:  # it finished by itself
+                assert (subjects.DECODE_ABORT_ANY, rid) not in workers.aborts
+

@@ -102,6 +102,22 @@ def test_a_call_cut_at_max_tokens_is_dropped_but_a_call_the_model_left_open_is_t
     assert p.flush(truncated=True) == "<tool_ca"  # not a call yet: text, as any other cut text
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_max_calls_keeps_the_first_calls_and_nothing_after_them_whatever_the_split(seed):
+    listed = '<tool_call>\n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]\n</tool_call>'
+    for text, names, out in (("Sure. " + CALL + "\n" + CALL + " after", ["get_weather"], "Sure. "),
+                             (listed + " after", ["a"], "")):  # a list in one tag counts call by call
+        cuts = random.Random(seed).sample(range(1, len(text)), 8)
+        p = ToolCallParser(max_calls=1)
+        pieces = [text[i:j] for i, j in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)])]
+        results = [p.feed(piece) for piece in pieces]
+        assert "".join(t for t, _ in results) + p.flush() == out
+        assert [c.name for _, cs in results for c in cs] == names and p.done
+    p = ToolCallParser()
+    p.feed(CALL + CALL)
+    assert not p.done and len(p.calls) == 2  # no limit
+
+
 # --- through the gateway (fake workers scripting the model's text) ---------------------
 
 NOTE = {"type": "function", "function": {"name": "note", "description": "Write a note",

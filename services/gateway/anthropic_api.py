@@ -6,7 +6,8 @@ turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``sto
 ``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema) with
 ``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force calls: the output is constrained
 to calls of those tools with ``input_schema``-valid inputs, ``disable_parallel_tool_use`` = one;
-``gateway.structured``), ``output_config.format`` (``{"type": "json_schema", "schema"}``: the
+``gateway.structured``; with ``auto`` and ``disable_parallel_tool_use`` the output ends at its first
+call and the worker is stopped there), ``output_config.format`` (``{"type": "json_schema", "schema"}``: the
 text is constrained to the schema, as chat's ``response_format``; not with tools in use, since a
 call could not be written then), ``stream``. Honoured as no-ops on a single-tenant server:
 ``metadata`` (``user_id``), ``service_tier`` (one tier: standard), ``cache_control`` (the prefix
@@ -469,7 +470,9 @@ async def create_message(request: Request, gw: Gateway) -> Response:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
         return Response(status_code=499)
-    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req)), len(prompt_ids))
+    one_call = req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use
+    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req), max_calls=1 if one_call else None),
+            len(prompt_ids))
     reply = _Reply(r, gw.model.served_name)
     log.info("request_started", api="anthropic", prompt_tokens=len(prompt_ids), stream=req.stream,
              worker=choices[0].stream.worker_id)

@@ -173,10 +173,12 @@ class Assembler:
     any other text is kept exactly (trailing whitespace is emitted once more text follows).
     ``keep_empty``: an output with no block at all still gets one
     empty text block (OpenAI Responses always has a message item; Anthropic allows no content).
+    ``max_calls``: at most that many tool calls (``ToolCallParser``); ``run`` ends the generation
+    at the last one.
     """
 
-    def __init__(self, parse_tools: bool, keep_empty: bool = False):
-        self.parser = ToolCallParser(enabled=parse_tools)
+    def __init__(self, parse_tools: bool, keep_empty: bool = False, max_calls: int | None = None):
+        self.parser = ToolCallParser(enabled=parse_tools, max_calls=max_calls)
         self.keep_empty = keep_empty
         self.blocks: list[Block] = []
         self._open: Block | None = None
@@ -293,17 +295,22 @@ class Run:
 async def run(r: Run, is_disconnected=None) -> AsyncIterator[list[Event]]:
     """Each chunk of the request as the assembler events it completes, until the choice is done.
 
-    A worker still running after a stop string ended the text is aborted. Raises ``OpenAIError``
-    for a failed chunk (500 worker error, 503 abort) or a lost stream (503 / timeout), and
-    ``ClientGone`` when ``is_disconnected`` says the client left.
+    A worker still running after a stop string ended the text, or after the last tool call the
+    assembler takes (``max_calls``; the finish reason is then "stop"), is aborted. Raises
+    ``OpenAIError`` for a failed chunk (500 worker error, 503 abort) or a lost stream (503 /
+    timeout), and ``ClientGone`` when ``is_disconnected`` says the client left.
     """
     try:
         async with aclosing(chunks([r.choice], is_disconnected)) as arriving:
             async for c, chunk in arriving:
                 raise_if_failed(chunk)
                 delta = c.proc.process(chunk)
-                yield r.assembler.add(delta.text, final=delta.finish_reason is not None,
-                                      truncated=delta.finish_reason == "length")
+                events = r.assembler.add(delta.text, final=delta.finish_reason is not None,
+                                         truncated=delta.finish_reason == "length")
+                if r.assembler.parser.done and not delta.finish_reason:
+                    c.proc.finish_reason = delta.finish_reason = "stop"  # its one call is made: the turn ends
+                    events += r.assembler.add("", final=True)
+                yield events
                 if delta.finish_reason:
                     await c.stream.abort()  # ended by a stop string, the worker still runs; else a no-op
     except StreamError as e:

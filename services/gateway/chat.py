@@ -16,7 +16,9 @@ choice fails, the whole request fails and the others are aborted.
 Structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``) and
 forced tool calls (``tool_choice`` "required" or a named function: the output is constrained
 to calls of the declared tools) become ``SamplingParams.structured`` (``gateway.structured``),
-checked before anything is dispatched: an unsupported spec is a 400 naming it.
+checked before anything is dispatched: an unsupported spec is a 400 naming it. With tools and
+``parallel_tool_calls: false`` but no forced call, a choice ends at its first tool call (finish
+``tool_calls``; the worker is stopped there, as for a stop string).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     choices = new_choices(gw, request_id, n, req.stop_strings, traffic_class, req.cache_salt,
                           images=images, embeddings_fingerprint=embeddings_fp)
     for c in choices:
-        c.tool_parser = ToolCallParser(enabled=bool(req.tools) and req.tool_choice != "none")
+        c.tool_parser = ToolCallParser(enabled=bool(req.tools) and req.tool_choice != "none",
+                                       max_calls=1 if req.parallel_tool_calls is False else None)
     try:
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
@@ -292,6 +295,7 @@ async def _collect(reply: _Reply, request: Request) -> dict:
                 raise_if_failed(chunk)
                 delta = c.proc.process(chunk)
                 text, _ = c.tool_parser.feed(delta.text)
+                _end_after_the_one_call(c, delta)
                 c.parts.append(text)
                 if delta.finish_reason:
                     c.parts.append(c.tool_parser.flush(truncated=delta.finish_reason == "length"))
@@ -346,6 +350,7 @@ async def _sse(reply: _Reply):
                     logprobs = reply.logprobs(chunk)
                     before = len(c.tool_parser.calls)
                     text, calls = c.tool_parser.feed(delta.text)
+                    _end_after_the_one_call(c, delta)
                     if delta.finish_reason:
                         text += c.tool_parser.flush(truncated=delta.finish_reason == "length")
                     message = {"content": text} if text else {}
@@ -377,6 +382,13 @@ async def _sse(reply: _Reply):
         for c in reply.choices:
             spawn(c.stream.abort())
         _log_finished(reply, disconnected=not clean)
+
+
+def _end_after_the_one_call(c: Choice, delta) -> None:
+    """``parallel_tool_calls: false``: once the parser has the one call, the choice ends there
+    (finish "stop", so ``tool_calls``); the caller then aborts the worker, as for a stop string."""
+    if c.tool_parser.done and not delta.finish_reason:
+        c.proc.finish_reason = delta.finish_reason = "stop"
 
 
 def _finish_reason(c: Choice) -> str | None:

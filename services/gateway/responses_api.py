@@ -7,7 +7,9 @@ Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``outp
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
 ``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only) with ``tool_choice``
 (``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
-calls of those tools, ``parallel_tool_calls: false`` = one), ``text.format`` (``json_object``, or
+calls of those tools, ``parallel_tool_calls: false`` = one; with ``auto`` and
+``parallel_tool_calls: false`` the output ends at its first call and the worker is stopped there),
+``text.format`` (``json_object``, or
 ``json_schema`` with ``schema``: the output is constrained to it; ``gateway.structured``), ``stream``,
 ``store`` (default true), ``previous_response_id``, ``metadata``, ``user``. Honoured as no-ops:
 ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``max_tool_calls`` (it
@@ -502,7 +504,9 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
         await open_choices(choices, prompt_ids, sampling, request.is_disconnected)
     except ClientGone:
         return Response(status_code=499)
-    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req), keep_empty=True), len(prompt_ids))
+    r = Run(request_id, choices[0], Assembler(parse_tools=tools_enabled(req), keep_empty=True,
+                                              max_calls=1 if req.parallel_tool_calls is False else None),
+            len(prompt_ids))
     reply = _Reply(r, req, gw.model.served_name, store, dump_items(context + new_items))
     log.info("request_started", api="responses", prompt_tokens=len(prompt_ids), stream=req.stream,
              previous_response_id=req.previous_response_id, worker=choices[0].stream.worker_id)

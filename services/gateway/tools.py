@@ -116,19 +116,29 @@ class ToolCallParser:
 
     Whitespace-only text after a call is held: dropped if another call or the end follows (the
     newlines between ``</tool_call>`` and ``<tool_call>`` are not content), emitted before any
-    other text that follows.
+    other text that follows. ``max_calls`` (None: any number): once that many calls are parsed the
+    parser is ``done`` and the rest of the output is neither text nor calls (parallel tool calls
+    turned off: the endpoint then ends the generation, as a model that made its one call would).
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, max_calls: int | None = None):
         self.enabled = enabled
+        self.max_calls = max_calls
         self.calls: list[ToolCall] = []
         self._buf = ""  # undecided text: a possible tag start, or an open call's body
         self._ws: str | None = None  # whitespace held since the last call (None: not right after one)
+
+    @property
+    def done(self) -> bool:
+        """``max_calls`` calls were parsed: nothing after them is output."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add generated text; returns (text safe to emit now, calls completed now)."""
         if not self.enabled:
             return text, []
+        if self.done:
+            return "", []
         self._buf += text
         out, done = [], []
         while self._buf:
@@ -150,6 +160,9 @@ class ToolCallParser:
                 done += calls
                 self._ws = ""  # whitespace before this call (held) is dropped
             self._buf = self._buf[end:]
+            if self.max_calls is not None and len(self.calls) + len(done) >= self.max_calls:
+                del done[self.max_calls - len(self.calls):]  # (a list in one tag can hold more)
+                self._buf = ""
         self.calls += done
         return "".join(out), done
 
