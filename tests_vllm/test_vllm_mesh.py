@@ -67,7 +67,7 @@ def test_a_feature_vllm_workers_lack_is_a_400_naming_it(client):
         chat(client, "Hello", logprobs=True)
     with pytest.raises(openai.BadRequestError, match="not available on --engine vllm"):
         chat(client, "Hello", response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs is not available on --engine vllm"):
+    with pytest.raises(openai.BadRequestError, match="logprobs, prompt logprobs are not available on --engine vllm"):
         client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", echo=True, logprobs=1, max_tokens=0)
 
 

@@ -137,10 +137,12 @@ class VllmEngine:
         s = sampling or SamplingParams()
         if len(ids) + s.max_tokens - len(output_token_ids) > self.max_model_len:
             raise RequestError(f"prompt + max_tokens exceed max_model_len {self.max_model_len}")
-        for name, asked in (("logprobs", s.logprobs or s.top_logprobs), ("structured output", s.structured),
-                            ("swa_replay", s.swa_replay), ("prompt logprobs", s.prompt_logprobs is not None)):
-            if asked:
-                raise RequestError(f"{name} is not available on --engine vllm")
+        lacking = [name for name, asked in (("logprobs", s.logprobs or s.top_logprobs),
+                                             ("structured output", s.structured), ("swa_replay", s.swa_replay),
+                                             ("prompt logprobs", s.prompt_logprobs is not None)) if asked]
+        if lacking:  # every one named, so the client need not find them one 400 at a time
+            raise RequestError(f"{', '.join(lacking)} {'is' if len(lacking) == 1 else 'are'} not available "
+                               "on --engine vllm")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     output_token_ids: list[int] = (), cache_salt: str | None = None, export_prompt: bool = False,
