@@ -11,7 +11,7 @@ import pytest
 
 from deepinfer.bench.metrics import RequestResult, percentile, summarize
 from deepinfer.bench.trace import (PromptMaker, TraceRequest, ideal_engine_hits, ideal_hit_rate, load_mooncake,
-                                   scale_trace)
+                                   repeat_trace, scale_trace)
 
 
 def test_percentile_interpolates_between_ranks_like_numpy():
@@ -87,6 +87,18 @@ def test_bad_trace_lines_are_named_by_file_and_line(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_mooncake(path)
+
+
+def test_a_repeated_trace_plays_back_to_back_with_fresh_prefixes():
+    rows = [{"timestamp": 100, "input_length": 10, "output_length": 1, "hash_ids": [0, 1]},
+            {"timestamp": 300, "input_length": 10, "output_length": 1, "hash_ids": [0, 5]}]
+    out = repeat_trace(rows, 3)
+    assert [r["timestamp"] for r in out] == [100, 300, 500, 700, 900, 1100]
+    assert [r["hash_ids"] for r in out] == [[0, 1], [0, 5], [6, 7], [6, 11], [12, 13], [12, 17]]
+    assert ideal_hit_rate(out) == pytest.approx(ideal_hit_rate(rows))
+    assert repeat_trace(rows, 1) == rows
+    with pytest.raises(ValueError):
+        repeat_trace(rows, 0)
 
 
 def test_ideals_count_only_served_requests(tmp_path):

@@ -37,7 +37,7 @@ from deepinfer.bench import run_cli
 from deepinfer.bench.client import stream_completion
 from deepinfer.bench.metrics import RequestResult, percentile, strict_json, summarize
 from deepinfer.bench.trace import (PromptMaker, TraceRequest, ideal_engine_hits, ideal_hit_rate, load_mooncake,
-                                   scale_trace)
+                                   repeat_trace, scale_trace)
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -255,6 +255,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per 512-token trace block: length scale = this / 512 (default 16)")
     p.add_argument("--output-scale", type=_positive_float, default=0.125, help="output lengths x this (default 0.125)")
     p.add_argument("--max-requests", type=_positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--repeat", type=_positive_int, default=1,
+                   help="play the trace N times back to back, each pass with its own prefixes (default 1)")
     p.add_argument("--max-input-tokens", type=_positive_int, default=None, help="cap scaled prompts at N tokens")
     p.add_argument("--traffic-class", default=None, help="traffic_class field to send (default: the gateway's)")
     p.add_argument("--slo-ttft", type=_positive_float, default=5.0, help="TTFT SLO for goodput, seconds (default 5)")
@@ -275,7 +277,7 @@ async def _model_name(url: str) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """Run a replay as the command line describes; returns the summary (also written to ``--out``)."""
-    rows = load_mooncake(args.trace)[:args.max_requests]
+    rows = repeat_trace(load_mooncake(args.trace)[:args.max_requests], args.repeat)
     if not rows:
         raise ValueError(f"{args.trace}: the trace has no requests")
     reqs = scale_trace(rows, args.time_scale, args.block_tokens, args.output_scale, None, args.max_input_tokens)

@@ -67,6 +67,24 @@ def load_mooncake(path: str | Path) -> list[dict]:
     return rows
 
 
+def repeat_trace(rows: list[dict], times: int) -> list[dict]:
+    """The trace played ``times`` times back to back, for a replay longer than the trace.
+
+    Pass ``k`` (0-based) starts one mean inter-arrival gap after pass ``k - 1``'s last
+    arrival, and its hash ids are shifted past every id of the trace, so it shares no
+    prefix with the passes before it: each pass offers the load and cache reuse the trace
+    itself does. Raises ValueError when ``times < 1``."""
+    if times < 1:
+        raise ValueError("times must be >= 1")
+    if times == 1 or not rows:
+        return list(rows)
+    t0, t1 = rows[0]["timestamp"], rows[-1]["timestamp"]
+    period = (t1 - t0) + (t1 - t0) / max(1, len(rows) - 1)
+    shift = max(h for r in rows for h in r["hash_ids"]) + 1
+    return [{**r, "timestamp": r["timestamp"] + k * period, "hash_ids": [h + k * shift for h in r["hash_ids"]]}
+            for k in range(times) for r in rows]
+
+
 def scale_trace(rows: list[dict], time_scale: float = 1.0, block_tokens: int = 16, output_scale: float = 1.0,
                 max_requests: int | None = None, max_input_tokens: int | None = None) -> list[TraceRequest]:
     """Scaled requests: arrival ``timestamp * time_scale / 1000`` s (relative to the first row),
