@@ -115,7 +115,15 @@ class PrefillService(EngineWorker):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
         if self.was_aborted(req):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
-        if req.request_id in self.requests:  # a second copy would stream its first token twice
+        running = self.requests.get(req.request_id)
+        if running is not None:
+            if req.attempt > running.attempt:
+                # the gateway gave up waiting for our answer to an earlier attempt and sent it again,
+                # which reached us: the work here goes on as this attempt (the abort the gateway sent
+                # for the earlier one no longer matches it)
+                self.requests[req.request_id] = req
+                return SubmitReply(accepted=True, worker_id=self.worker_id)
+            # a second copy would stream its first token twice
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
         try:
             self.engine.check_request(req.prompt_token_ids, sampling=req.sampling)
