@@ -496,10 +496,12 @@ async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attem
     assert admitted == [("r", 2)] and "r" in svc.requests
     await svc.on_abort(AbortRequest("r", attempt=1))  # a stale attempt's abort leaves attempt 2 alone
     assert "r" in svc.requests and aborted == []
+    held = svc.requests["r"]
     # the gateway timed attempt 2 out and sent attempt 3, which lands here too: the work goes on as 3
     assert (await svc.on_submit(attempt(3))).accepted
     await asyncio.sleep(0)
     assert admitted == [("r", 2)] and svc.requests["r"].attempt == 3
+    assert svc.requests["r"] is held  # the object ``admit`` holds: it must still find it registered
     await svc.on_abort(AbortRequest("r", attempt=2))  # the abort of the attempt it gave up on
     assert "r" in svc.requests and aborted == []
     assert (await svc.on_submit(attempt(3))).error == "request already running here"  # a duplicate

@@ -120,8 +120,9 @@ class PrefillService(EngineWorker):
             if req.attempt > running.attempt:
                 # the gateway gave up waiting for our answer to an earlier attempt and sent it again,
                 # which reached us: the work here goes on as this attempt (the abort the gateway sent
-                # for the earlier one no longer matches it)
-                self.requests[req.request_id] = req
+                # for the earlier one no longer matches it). Updated in place: ``admit`` may still be
+                # loading the prefix and checks that the request it holds is the one registered.
+                running.attempt = req.attempt
                 return SubmitReply(accepted=True, worker_id=self.worker_id)
             # a second copy would stream its first token twice
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="request already running here")
