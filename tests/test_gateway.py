@@ -97,6 +97,7 @@ class Script:
     redispatch_ok: bool = False  # prefill: a second submit of a request is served normally (else refused)
     zombie_s: float | None = None  # decode with die_after: stops beating, yet publishes the rest after this
     decode_refuses: bool = False  # decode: refuse resumes from the gateway
+    submit_hang_s: float = 0.0  # prefill: answer a submit only after this long (a busy worker), then refuse
 
     @property
     def token_ids(self) -> list[int]:
@@ -157,6 +158,9 @@ class FakeWorkers:
         again = any(r.request_id == req.request_id for r in self.prefill_requests)
         self.prefill_requests.append(req)
         s = self.script
+        if s.submit_hang_s:
+            await asyncio.sleep(s.submit_hang_s)
+            return SubmitReply(accepted=False, worker_id=PREFILL_ID, error="too late")
         if again:  # a re-dispatch after the first prefill worker died
             if not s.redispatch_ok:
                 return SubmitReply(accepted=False, worker_id=PREFILL_ID, error="busy")
@@ -679,6 +683,20 @@ async def test_handoff_that_produces_nothing_aborts_prefill_and_resumes_on_decod
     script(text="first then nothing", no_handoff=True, decode_refuses=True)
     events = await stream_events(client, chat_body(gateway.model))
     assert "handoff" in events[-1]["error"]["message"]
+
+
+async def test_live_prefill_workers_too_busy_to_answer_the_submit_is_429_and_the_request_is_dropped(
+        client, gateway, workers, script, monkeypatch):
+    monkeypatch.setattr(gateway.config.timeouts, "submit_s", 1.0)
+    script(submit_hang_s=1.5)
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json=chat_body(gateway.model, stream=stream))
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_exceeded", "worker_busy") and "too busy" in err["message"]
+        rid = workers.prefill_requests[-1].request_id
+        await eventually(lambda: (subjects.PREFILL_ABORT_ANY, rid) in workers.aborts)
+    assert gateway.app.state.gateway.admission.rejected["worker_busy"] == 2
 
 
 async def test_live_but_silent_decode_worker_hits_the_inactivity_timeout(client, gateway, workers, script):

@@ -332,6 +332,28 @@ def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_sl
     assert len(router._errors) == 8
 
 
+def test_queue_limit_counts_the_measured_lateness_of_first_tokens():
+    clock = Clock()
+    reg, router, _ = setup(prefill("a"), clock=clock)
+    shape = PromptShape(num_tokens=7000)
+    for i in range(8):  # first tokens arrive 0.35 s later than predicted (a host slower than its fit)
+        plan = router.plan(f"r{i}", shape)
+        router.commit(plan)
+        router.accepted(plan, "a")
+        clock.t += plan.predicted_ttft_s + 0.35
+        reg.observe(prefill("a"))
+        router.first_token(plan, arrived=True)
+    assert router.ttft_bias_s() == pytest.approx(0.35)
+    reg.observe(prefill("a", queued_prefill_s=1.0))
+    plan = router.plan("q", shape)
+    a = plan.candidates[0]
+    fits = a.queue_s + a.compute_s + 0.2  # as predicted it fits; with the lateness it does not
+    with pytest.raises(Exception) as e:
+        Admission(AdmissionConfig(max_queued_prefill_s=fits)).check(plan)
+    assert e.value.status == 429 and e.value.code == "prefill_queue_full"
+    Admission(AdmissionConfig(max_queued_prefill_s=fits + 0.2)).check(router.plan("q2", shape))
+
+
 def test_queue_limit_skips_full_workers_and_rejects_when_none_is_left():
     _, router, _ = setup(prefill("a", queued_prefill_s=2.5), prefill("b", queued_prefill_s=0.0, cost_b=1e-2),
                          policy="round_robin")

@@ -1,7 +1,8 @@
-"""Admission: answer 429 with ``Retry-After`` instead of queueing into a timeout (issue #6, item 3).
+"""Admission: answer 429 with ``Retry-After`` instead of queueing into a timeout.
 
-TECHNIQUES §4: "if the best predicted TTFT exceeds the SLO, answer 429 with Retry-After". Three
-explicit limits, each off unless configured (gateway flags in brackets):
+When the best predicted TTFT exceeds the SLO, the request is refused up front (429 with
+Retry-After) rather than accepted and failed later. Three explicit limits, each off unless
+configured (gateway flags in brackets):
 
   max_inflight          [--max-inflight N]         generation streams this gateway has open
                         (admitted and not finished; a request with n choices counts n); one
@@ -11,6 +12,10 @@ explicit limits, each off unless configured (gateway flags in brackets):
                         queued compute plus this request's would exceed S seconds is not used
                         (one with an empty queue always is, so any single request can run);
                         when no worker is left: 429, Retry-After = the least excess, seconds.
+                        The prediction counts the router's measured bias (below): a host
+                        slower than the workers' fitted cost models (an overloaded CPU)
+                        drains its queues slower than predicted, and only the measurement
+                        shows it.
   ttft_slo_s            [--ttft-slo-s S]           the best predicted TTFT (``router``: the smallest
                         predicted finish time over the prefill workers) above S: 429. Workers
                         predicted past S are skipped (the policy's order stays among the
@@ -37,8 +42,10 @@ than accepted and left to wait for a decode worker in its handoff.
 The error is an ``OpenAIError`` with status 429 and the header, so every API answers it in its
 own shape: OpenAI ``{"error": {"type": "rate_limit_exceeded", "code": <reason>, ...}}``,
 Anthropic ``{"type": "error", "error": {"type": "rate_limit_error", ...}}``. Reasons (``code``):
-``max_inflight``, ``prefill_queue_full``, ``ttft_slo``, ``decode_full``. Without worker reports
-(no candidates) only ``max_inflight`` applies: the queue group takes the request as before.
+``max_inflight``, ``prefill_queue_full``, ``ttft_slo``, ``decode_full``, and ``worker_busy``
+(``RequestStream.open``: workers of the role report alive, yet none answered the submit in
+time). Without worker reports (no candidates) only ``max_inflight`` applies: the queue group
+takes the request as before.
 """
 
 from __future__ import annotations
@@ -105,19 +112,19 @@ class Admission:
         cfg = self.config
         if not plan.candidates:
             return
+        router = plan.router
+        bias = router.ttft_bias_s() if router is not None else 0.0
         limit = cfg.max_queued_prefill_s
         if limit is not None:
-            ok = [c for c in plan.candidates if c.queue_s <= 0 or c.queue_s + c.compute_s <= limit]
+            ok = [c for c in plan.candidates if c.queue_s <= 0 or c.queue_s + c.compute_s + bias <= limit]
             if not ok:
-                excess = min(c.queue_s + c.compute_s - limit for c in plan.candidates)
+                excess = min(c.queue_s + c.compute_s + bias - limit for c in plan.candidates)
                 raise self._reject(f"every prefill worker has more than {limit:g}s of prompts queued; retry later",
                                    "prefill_queue_full", excess)
             plan.candidates = ok
         slo = cfg.ttft_slo_s
         if slo is None:
             return
-        router = plan.router
-        bias = router.ttft_bias_s() if router is not None else 0.0
         # NOTE: a worker where this request would push an earlier one past its deadline is skipped
         bound = {c.worker_id: min(slo, router.slack(c.worker_id)) if router is not None else slo
                  for c in plan.candidates}
@@ -137,6 +144,10 @@ class Admission:
         if router is not None and router.config.prefill_role == "prefill" and router.decode_full(plan.shape):
             raise self._reject("every decode worker is full (KV cache or queue); retry later", "decode_full", 1.0)
 
-    def _reject(self, message: str, reason: str, retry_after_s: float) -> OpenAIError:
+    def count_rejected(self, reason: str) -> None:
+        """One more request refused with 429 for ``reason`` (the metric's label)."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def _reject(self, message: str, reason: str, retry_after_s: float) -> OpenAIError:
+        self.count_rejected(reason)
         return rate_limited(message, reason, retry_after_s)

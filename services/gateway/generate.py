@@ -27,7 +27,7 @@ from opentelemetry import trace
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import metrics as gateway_metrics
-from deepinfer.gateway.admission import Admission
+from deepinfer.gateway.admission import Admission, rate_limited
 from deepinfer.gateway.config import GatewayConfig, ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable
 from deepinfer.gateway.output import OutputProcessor
@@ -178,6 +178,8 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
         release(plans)
         await abort_all(choices)
         if isinstance(failed, StreamError):
+            if failed.status == 429 and gw is not None:
+                gw.admission.count_rejected(failed.code)
             raise http_error(failed) from None
         raise failed
 
@@ -350,6 +352,8 @@ def raise_if_failed(chunk: TokenChunk) -> None:
 
 
 def http_error(e: StreamError) -> OpenAIError:
+    if e.status == 429:
+        return rate_limited(str(e), e.code, e.retry_after_s)
     if e.status < 500:
         return OpenAIError(e.status, str(e), "invalid_request_error", None, e.code)
     return OpenAIError(e.status, str(e), "server_error", None, e.code)

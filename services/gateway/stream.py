@@ -7,7 +7,9 @@
                 chunk is lost), PrefillRequest sent to the router's choice of
                 prefill worker, else on PREFILL_SUBMIT (``dispatch.submit_prompt``).
                 SubmitReply accepted -> PREFILL. No responders, refusal or
-                timeout -> ``StreamError`` (HTTP 503).
+                timeout -> ``StreamError`` (HTTP 503; a timeout while workers of
+                the role report alive is overload: HTTP 429 ``worker_busy``
+                with Retry-After).
                 Aggregated serving (``mode`` "agg"): a DecodeRequest without KV (the
                 prompt's full-block keys, for the stored prefix) goes to the router's
                 choice of worker, which prefills and decodes it -> DECODE.
@@ -102,13 +104,16 @@ class Phase(enum.Enum):
 class StreamError(Exception):
     """The request cannot complete: no worker took it, its worker died, or it timed out.
 
-    ``status``: HTTP status to answer with when nothing was sent yet.
+    ``status``: HTTP status to answer with when nothing was sent yet; ``retry_after_s``: the
+    ``Retry-After`` of a 429 (seconds).
     """
 
-    def __init__(self, message: str, code: str = "worker_unavailable", status: int = 503):
+    def __init__(self, message: str, code: str = "worker_unavailable", status: int = 503,
+                 retry_after_s: float = 1.0):
         super().__init__(message)
         self.code = code
         self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class ClientGone(Exception):
@@ -200,6 +205,12 @@ class RequestStream:
                 await self.mesh.publish(subjects.PREFILL_ABORT_ANY, AbortRequest(self.request_id))
             else:  # (that attempt: a decode worker refuses it if it arrives later)
                 await self.mesh.publish(subjects.DECODE_ABORT_ANY, AbortRequest(self.request_id, req.attempt))
+            if any(not w.report.draining for w in self.registry.alive(role)):
+                # live (reporting) but too busy to answer: overload, refused before any output, so the
+                # client retries later rather than counting an accepted request lost
+                raise StreamError(f"every {role} worker is too busy to take the request (no answer within "
+                                  f"{self.timeouts.submit_s:.0f}s); retry later", code="worker_busy", status=429,
+                                  retry_after_s=self.timeouts.submit_s)
             raise StreamError(f"no {role} worker answered within {self.timeouts.submit_s:.0f}s", code="timeout")
         except RemoteError as e:
             await self._fail()
