@@ -1,5 +1,7 @@
 """The engine against Hugging Face transformers on the same weights (the embedded SmolLM2)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -261,6 +263,45 @@ def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(mo
     assert engine.peak_batch_size == 16
     same = [run_with_logprobs(engine, [(f"a{i}", ps[i], sp)])[f"a{i}"] == batched[str(i)] for i in (0, 7, 15)]
     assert all(same) if invariant else not all(same)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_seeded_sampling_ignores_the_cache_the_chunking_and_the_batch(model_dir, hf, dtype):
+    """Seed 7, temperature 1, tokens and logprobs bit for bit: the prompt computed cold, from the
+    prefix cache (only its last partial block computed), cut into 40-token chunks, and next to
+    other requests. With the mode off some of these differ, so the test can tell it works."""
+    from deepinfer.models.layers import bf16_gemm_supported
+
+    if dtype == "bfloat16" and not bf16_gemm_supported():
+        pytest.skip("no bf16 GEMM on this CPU")
+    _, tok = hf
+
+    def chat(text):
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+
+    p = chat("Summarise this: " + "The quick brown fox jumps over the lazy dog. " * 27)
+    others = [chat(f"Write about {t}. " * n) for t, n in (("the sea", 1), ("trains", 4), ("owls", 9))]
+    assert len(p) > 300 and len(p) % 16
+    sp = SamplingParams(temperature=1.0, max_tokens=10, seed=7, ignore_eos=True, logprobs=True, top_logprobs=3)
+
+    def outputs(invariant: bool) -> list:
+        cfg = dict(kv_cache_bytes=64 << 20, batch_invariant=invariant, dtype=dtype)
+        engine = LLMEngine(model_dir, EngineConfig(**cfg))
+        cold = run_with_logprobs(engine, [("cold", p, sp)])["cold"]
+        cached = run_with_logprobs(engine, [("cached", p, sp)])["cached"]
+        assert engine.block_manager.num_hit_tokens == len(p) // 16 * 16
+        chunked_engine = LLMEngine(model_dir, EngineConfig(**cfg, max_num_batched_tokens=40))
+        chunked = run_with_logprobs(chunked_engine, [("chunked", p, sp)])["chunked"]
+        assert chunked_engine.num_steps >= len(p) // 40
+        batch = [("batched", p, sp)] + [(f"o{i}", o, dataclasses.replace(sp, seed=i)) for i, o in enumerate(others)]
+        batched = run_with_logprobs(LLMEngine(model_dir, EngineConfig(**cfg)), batch)["batched"]
+        return [cold, cached, chunked, batched]
+
+    on = outputs(True)
+    assert all(o == on[0] for o in on[1:]), [o == on[0] for o in on[1:]]
+    off = outputs(False)
+    assert not all(o == off[0] for o in off[1:])
 
 
 def test_packed_rows_are_tuned_per_shape_and_route_the_gemm(monkeypatch):

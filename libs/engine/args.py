@@ -37,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule each step after the previous one instead of during it")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="greedy output independent of batch composition (slower attention)")
+                   help="a request's bits (logprobs, seeded samples) independent of the batch, the prefix cache "
+                        "and chunking, at one thread count (slower attention)")
     p.add_argument("--no-packed-weights", action="store_true", help="do not pre-pack GEMM weights (MKL, fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--single-thread-max-tokens", type=int, default=None,

@@ -57,6 +57,9 @@ from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
 
+# the process's intra-op threads before any engine switched them per step: an engine's default
+DEFAULT_THREADS = torch.get_num_threads()
+
 # (model dir, dtype, threads, OMP_WAIT_POLICY, GOMP_SPINCOUNT) -> the timed choice, once per process
 _STEP_THREADS: dict[tuple, StepThreads] = {}
 
@@ -75,9 +78,11 @@ class EngineConfig:
     step_time_budget_s: predicted compute per step that prefill chunks may fill
     (None = no time budget: whole prompts up to max_num_batched_tokens).
     calibrate: time a few forward passes at start-up to fit the step cost model.
-    batch_invariant: a request's greedy output does not depend on the batch it
-    shares (see ``models.layers.Linear``); off by default on CPU because it
-    roughly doubles batch-1 decode time there.
+    batch_invariant: a request's bits (logprobs, so seeded samples too) do not
+    depend on the batch it shares, the prefix-cache state or how its prompt is
+    chunked (``models.layers.Linear``, ``kernels.attention._per_sequence_attention``),
+    for a given thread count; off by default on CPU because it roughly doubles
+    batch-1 decode time there.
     dtype: weights and KV cache: "float32", "bfloat16", "float16", or "auto"
     (``engine.dtype_choice``: bf16 where this CPU's bf16 GEMMs clearly beat fp32
     on the model's shapes, timed at start-up; resolved into this field).
@@ -196,8 +201,10 @@ class LLMEngine:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # NOTE: not ``torch.get_num_threads()`` now: an earlier engine in this process may have left
+        # it at one thread (``step_threads`` switches per step), and a batch-invariant engine's bits
+        # depend on its thread count
+        torch.set_num_threads(config.num_threads or DEFAULT_THREADS)
         self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
         self.dtype_choice = choose_dtype(ModelConfig.from_dir(model_dir), config.dtype, config.batch_invariant)
         if config.dtype == "auto":

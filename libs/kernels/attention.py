@@ -262,18 +262,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v).view(b, h, tq, d)
 
 
-# Batch-invariant attention pads a sequence's queries to at least this many rows.
+# Batch-invariant attention pads a sequence's queries to at least this many rows, and its key
+# axis to a whole number of key tiles of this many columns.
 INVARIANT_MIN_QUERIES = 16
+INVARIANT_KEY_TILE = 512
 
 
 def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
-    """``paged_attention`` one sequence at a time, keys unpadded: [T, H, D] -> [T, H, D].
+    """``paged_attention`` one sequence at a time: [T, H, D] -> [T, H, D], each query row's bits
+    independent of the batch, of how many queries its sequence feeds in the step (chunking, the
+    prefix-cache state, draft tokens) and of how many keys follow its own (masked).
 
-    NOTE: a sequence's queries are padded to ``INVARIANT_MIN_QUERIES`` rows (copies of its
-    first one, dropped after): SDPA on CPU gives a query row other bits when 1-15 rows
-    share the call than when it runs alone (measured), and with the padding a row's bits do
-    not depend on how many tokens its sequence feeds in the step, so verifying draft tokens
-    (``engine.spec_decode``) computes each position exactly as decoding it alone would.
+    NOTE: measured on CPU SDPA (fp32 and bf16, explicit mask): a query row gets other bits when
+    1-15 rows share the call than when it runs alone, and other bits again for most query
+    counts when the key axis is shorter than one 512-column key tile (a 301-token prompt: its
+    last row alone vs in a 13-row chunk). So a sequence's queries are padded to
+    ``INVARIANT_MIN_QUERIES`` rows (copies of its first one, dropped after) and its keys with
+    zero, masked columns to a multiple of ``INVARIANT_KEY_TILE``: then a row's bits were equal
+    for every query count 1-1,300 and every key length tried, in both dtypes. Verifying draft
+    tokens (``engine.spec_decode``) computes each position exactly as decoding it alone would,
+    and a prompt computes as it would cold, cached or cut into any chunks.
     """
     h, d = q.shape[1:]
     hkv = k_cache.shape[-2]
@@ -281,10 +289,14 @@ def _per_sequence_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale:
     outs, start = [], 0
     for i, (ql, cl) in enumerate(zip(meta.query_lens, meta.key_lens)):
         slots = meta.context_slots[i, :cl]
-        k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
+        n = -(-cl // INVARIANT_KEY_TILE) * INVARIANT_KEY_TILE
+        k = k_cache.new_zeros(n, hkv, d)
+        v = v_cache.new_zeros(n, hkv, d)
+        k[:cl] = k_cache.view(-1, hkv, d)[slots]
+        v[:cl] = v_cache.view(-1, hkv, d)[slots]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, n, D]
         qi = q[start : start + ql].transpose(0, 1)[None]  # [1, H, ql, D]
-        mi = mask[i : i + 1, :, :ql, :cl]
+        mi = F.pad(mask[i : i + 1, :, :ql, :cl], (0, n - cl), value=False)
         if ql < INVARIANT_MIN_QUERIES:
             pad = INVARIANT_MIN_QUERIES - ql
             qi = torch.cat([qi, qi[:, :, :1].expand(-1, -1, pad, -1)], dim=2)

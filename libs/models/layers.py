@@ -33,7 +33,8 @@ class Linear(nn.Linear):
     depend on M. Costs one extra copy of the weight.
 
     Batch invariance: packed GEMM gives each row the same bits for any M >= 4
-    (1-3 rows take another kernel on some CPUs); ``F.linear`` gives other bits
+    (1-3 rows take another kernel on some CPUs; oneDNN's bf16 gave the same bits
+    for 1-2,000 rows on an AMX host), for a given thread count; ``F.linear`` gives other bits
     for M < 16 and, for some shapes, for M = 129-192 too. So in batch-invariant
     mode (set per module by the engine) a packed layer always runs packed, and
     both pad to 16 rows: a row's result then never depends on how many other
