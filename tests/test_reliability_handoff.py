@@ -23,7 +23,7 @@ from deepinfer.decode.service import DecodeService
 from deepinfer.engine.llm_engine import EngineConfig
 from deepinfer.engine.mock import MockConfig
 from deepinfer.launcher import start_nats
-from deepinfer.mesh import MeshClient
+from deepinfer.mesh import MeshClient, NoResponders, RequestTimeout
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import AbortRequest, DecodeRequest, SamplingParams, SubmitReply, TokenChunk, subjects, unpack
 
@@ -132,7 +132,7 @@ async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefi
         async def busy(_req):  # the gateway's choice: too busy to answer in time
             await asyncio.sleep(10)
 
-        await client.subscribe(subjects.decode_submit("decode-busy"), busy)
+        await client.subscribe(subjects.decode_submit("decode-busy"), busy, concurrent=True)
         aborts: list[tuple[str, int]] = []
         async def on_abort(m):
             aborts.append(("decode-busy", unpack(m.data, expect=AbortRequest).attempt))
@@ -141,6 +141,13 @@ async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefi
         seen: list[DecodeRequest] = []
         await fake_decode_group(client, [False, False, True], seen)
         await client.nc.flush()
+        for _ in range(50):  # the busy worker's interest is known to the server: a probe times out
+            try:
+                await client.request(subjects.decode_submit("decode-busy"), decode_request("probe"), timeout=0.2)
+            except NoResponders:
+                await asyncio.sleep(0.1)
+            except RequestTimeout:
+                break
         req = prefill_request("busy-1", decode_worker="decode-busy")
         reply = await prefill.hand_off(req, decode_request("busy-1"))
         assert reply.accepted and reply.worker_id == "decode-group"
