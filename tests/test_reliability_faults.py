@@ -341,12 +341,15 @@ async def test_a_tokenizer_request_lost_with_its_replica_is_sent_again(nats_alon
 
 
 async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_script, decode_script,
-                          decode_workers=("decode-a",)) -> tuple[list[int], float, list, list]:
+                          decode_workers=("decode-a",), timeouts=None,
+                          is_disconnected=None) -> tuple[list[int], float, list, list]:
     """Open a gateway ``RequestStream`` for ``rid`` against scripted workers and read it to its end.
     ``prefill_script(publish)`` runs once the prefill is submitted; ``decode_script(publish, req)``
     once a decode submit (a resume) arrives, answered by ``decode_workers[-1]``. ``publish(tokens,
     offset, worker, attempt, role="decode", final=False)`` sends a TokenChunk on the stream.
-    Returns (tokens streamed, seconds, the decode submits, the aborts' attempts)."""
+    ``timeouts``: the stream's (default: a 20 s inactivity limit, 0.1 s ticks); ``is_disconnected``:
+    the client check ``next_chunk`` makes. Returns (tokens streamed, seconds, the decode submits,
+    the aborts' attempts)."""
     from deepinfer.gateway.registry import WorkerRegistry
     from deepinfer.gateway.stream import RequestStream, StreamTimeouts
     from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
@@ -388,11 +391,12 @@ async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_scri
         registry.observe(LoadReport(role="prefill", worker_id="prefill-a"))
         for w in decode_workers:
             registry.observe(LoadReport(role="decode", worker_id=w))
-        stream = RequestStream(gw_client, registry, rid, timeouts=StreamTimeouts(inactivity_s=20, tick_s=0.1))
+        stream = RequestStream(gw_client, registry, rid,
+                               timeouts=timeouts or StreamTimeouts(inactivity_s=20, tick_s=0.1))
         await stream.open([1, 2, 3], SamplingParams(max_tokens=len(want), ignore_eos=True))
         got, t0 = [], time.monotonic()
         while True:
-            c = await asyncio.wait_for(stream.next_chunk(), 10)
+            c = await asyncio.wait_for(stream.next_chunk(is_disconnected), 10)
             got += c.token_ids
             if c.finish_reason is not None:
                 break
@@ -404,6 +408,37 @@ async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_scri
         await gw_client.close()
         await client.close()
     return got, took, resumes, aborts
+
+
+async def test_a_stream_waiting_for_its_first_token_looks_at_its_client_less_often(nats_url):
+    """A gateway under overload holds hundreds of streams queued at prefill, each waking to look
+    at its client and worker: before the first token that happens every ``queued_tick_s``, after
+    it every ``tick_s`` (a client that leaves mid-generation is noticed within a tick)."""
+    from deepinfer.gateway.stream import StreamTimeouts
+
+    want, first_at, looks = list(range(600, 607)), [], []
+
+    async def prefill(publish):
+        await asyncio.sleep(1.0)  # queued, then prefilling: no token for a second
+        first_at.append(time.monotonic())
+        await publish(want[:1], 0, "prefill-a", -1, role="prefill")
+        await publish([], 1, "decode-a", 0)
+        for i in range(1, len(want)):
+            await asyncio.sleep(0.12)
+            await publish(want[i:i + 1], i, "decode-a", 0, final=i == len(want) - 1)
+
+    async def is_disconnected():
+        looks.append(time.monotonic())
+        return False
+
+    got, _, resumes, _ = await scripted_stream(
+        nats_url, "queued-ticks", want, prefill, None,
+        timeouts=StreamTimeouts(inactivity_s=20, tick_s=0.1, queued_tick_s=0.5), is_disconnected=is_disconnected)
+    assert got == want and resumes == []
+    before = [t for t in looks if t < first_at[0]]
+    after = [t for t in looks if t >= first_at[0]]
+    assert 1 <= len(before) <= 3, before  # every 0.5 s over ~1 s (at 0.1 s ticks: ~10)
+    assert len(after) >= 4, after  # ~0.7 s of tokens at 0.1 s ticks
 
 
 async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_alone):

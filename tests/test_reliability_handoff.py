@@ -141,9 +141,9 @@ async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefi
         seen: list[DecodeRequest] = []
         await fake_decode_group(client, [False, False, True], seen)
         await client.nc.flush()
-        for _ in range(50):  # the busy worker's interest is known to the server: a probe times out
+        for _ in range(50):  # prefill's connection sees the busy worker: a probe on it times out
             try:
-                await client.request(subjects.decode_submit("decode-busy"), decode_request("probe"), timeout=0.2)
+                await prefill.mesh.request(subjects.decode_submit("decode-busy"), decode_request("probe"), timeout=0.2)
             except NoResponders:
                 await asyncio.sleep(0.1)
             except RequestTimeout:

@@ -23,8 +23,9 @@
   FINISHED   -- a final chunk arrived, the gateway aborted (stop string,
                 client gone) or the request failed.
 
-Every ``tick_s`` (whether or not chunks flow) the watched worker is checked in
-the registry. A worker that missed its heartbeats (a chunk from it counts as
+Every ``tick_s`` (whether or not chunks flow; ``queued_tick_s`` before the first
+token) the watched worker is checked in the registry and the client's connection
+looked at. A worker that missed its heartbeats (a chunk from it counts as
 one), a handoff that produced nothing for ``handoff_s``, or a prefill worker
 that reports it could not hand off, triggers a failover (``_failover``):
 
@@ -126,6 +127,7 @@ class StreamTimeouts:
     inactivity_s: float = 60.0
     handoff_s: float = 15.0
     tick_s: float = 0.25
+    queued_tick_s: float = 1.0  # the check's period while no token has come yet (PREFILL: queued or prefilling)
     max_failovers: int = 2  # submits to another worker after a worker failed, per request
     resync_s: float = 3.0  # after the mesh connection came back: silence this long resumes the request
 
@@ -235,7 +237,10 @@ class RequestStream:
             # while tokens flow must still be noticed (and its worker aborted).
             now = self.clock()
             if now >= self._next_check_at:
-                self._next_check_at = now + self.timeouts.tick_s
+                # NOTE: a gateway under overload holds hundreds of streams queued at prefill; each
+                # check costs a wake and a look at the client's connection, so they check less often
+                waiting = self.phase is Phase.PREFILL and not self.output_token_ids
+                self._next_check_at = now + (self.timeouts.queued_tick_s if waiting else self.timeouts.tick_s)
                 await self._check(is_disconnected)
             if not self._queue.empty():
                 chunk = self._queue.get_nowait()
@@ -358,6 +363,7 @@ class RequestStream:
     def _advance(self, chunk: TokenChunk) -> None:
         now = self.clock()
         self._last_chunk_at = now
+        self._next_check_at = min(self._next_check_at, now + self.timeouts.tick_s)  # out of the queued ticks
         self.output_token_ids += chunk.token_ids
         if chunk.role == "decode" and chunk.attempt >= 0:
             self._decode_copy = (chunk.worker_id, chunk.attempt)
