@@ -7,8 +7,8 @@
 # DEEPINFER_SKIP_VLLM=1 leaves the vLLM tests out of a full run (the second environment is ~4
 # minutes to build and ~900 MB). DEEPINFER_TEST_WORKERS=N (default 2) runs the main suite on N pytest
 # workers (pytest-xdist; 1: in one process): much of the suite waits on mesh processes, so two
-# workers share 2 cores well; the modules that build engines in-process run on one worker at a time
-# (tests/conftest.py), which keeps the peak memory near one worker's.
+# workers share 2 cores well. Tests that start meshes run on one worker, tests that build engines
+# in-process on the other (tests/conftest.py), so the peak memory stays inside a 24 GB host.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
