@@ -52,7 +52,7 @@ ensure_default_model(progress=False); ensure_gemma3_270m(progress=False)'
 rc=0
 workers="${DEEPINFER_TEST_WORKERS:-2}"
 parallel=()
-[[ "$workers" -gt 1 ]] && parallel=(-n "$workers" --dist loadgroup)
+[[ "$workers" -gt 1 ]] && parallel=(-n "$workers" --dist loadscope)
 suite "$ROOT/.venv/bin/python" "${parallel[@]}" --durations=25 "$@" || rc=$?
 if [[ $# -eq 0 && "${DEEPINFER_SKIP_VLLM:-}" != 1 ]]; then
     echo "test.sh: the vLLM backend's tests (tests_vllm/, .venv-vllm)" >&2

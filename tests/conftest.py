@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
+import re
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -104,29 +107,30 @@ def pytest_runtest_teardown(item):
             _libc.malloc_trim(0)  # hand the freed heap back to the OS, so the next test starts lean
 
 
-def _starts_engine_meshes(path) -> bool:
-    """The module starts a ``Mesh`` of its own, not only of mock workers (``MOCK_ARGS``)."""
-    text = path.read_text(encoding="utf-8")
-    return "Mesh(" in text and "MOCK_ARGS" not in text
+@functools.cache
+def _test_kind(path: str) -> str:
+    """Which worker a test module runs on under ``-n N`` (scripts/test.sh): "meshes" for a module
+    that starts meshes of engine processes (~2 GB each: the session ``mesh``, ``make_mesh``, or a
+    ``Mesh`` of its own that is not only mock workers), "engines" for one that builds engines
+    in-process (a few GB at its peak), else the module itself."""
+    text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
+    if (re.search(r"\b(make_mesh|openai_client)\b|def test_\w+\([^)]*\bmesh\b", text)
+            or ("Mesh(" in text and "MOCK_ARGS" not in text)):
+        return "meshes"
+    return "engines" if "LLMEngine" in text else path
 
 
-def pytest_collection_modifyitems(config, items):
-    """Groups for ``pytest -n N --dist loadgroup`` (scripts/test.sh). Tests that start meshes (several
-    engine processes, ~2 GB each) share one worker, and so do tests that build engines in-process (a
-    few GB at their peak): the two kinds run side by side, never two of a kind at once, so the peak
-    memory stays near a one-process run's. A module with a mesh of its own keeps all its tests on the
-    meshes worker (its module-scoped mesh is built once); every other module is its own group."""
-    meshes = {"mesh", "make_mesh", "openai_client"}
-    own_mesh: dict[str, bool] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path not in own_mesh:
-            own_mesh[path] = _starts_engine_meshes(item.path)
-        module = vars(getattr(item, "module", None) or object())
-        if own_mesh[path] or meshes & set(getattr(item, "fixturenames", ())):
-            group = "meshes"
-        elif "LLMEngine" in module:
-            group = "engines"
-        else:
-            group = path
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N --dist loadscope``: scopes by ``_test_kind``, so the tests that start meshes run one
+    after another on one worker and the in-process engine tests on another, side by side: never two
+    meshes-heavy tests at once (two ran a 24 GB host out of memory), and a module's module-scoped
+    mesh is built once. The other modules spread over the workers."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByKind(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _test_kind(nodeid.split("::")[0])
+
+    return ByKind(config, log)
