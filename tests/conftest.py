@@ -36,7 +36,8 @@ os.environ.setdefault("DEEPINFER_DTYPE", "float32")
 # memory of the meshes that run at once (two test workers: the groups below) stays well inside the host
 os.environ.setdefault("DEEPINFER_KV_CACHE_GB", "0.5")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_libc_name = ctypes.util.find_library("c")
+_libc = ctypes.CDLL(_libc_name) if _libc_name else None
 if _libc is not None and not hasattr(_libc, "malloc_trim"):  # not glibc
     _libc = None
 
