@@ -332,6 +332,31 @@ def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_sl
     assert len(router._errors) == 8
 
 
+def test_time_spent_before_routing_counts_against_the_slo_and_not_as_model_error():
+    clock = Clock()
+    reg, router, _ = setup(prefill("a"), clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=1.0))
+    shape = PromptShape(num_tokens=5000)  # ~0.53 s predicted
+    fresh = router.plan("fresh", shape)
+    adm.check(fresh)  # just received: 0.53 s fits
+    late = router.plan("late", shape)
+    late.waited_s = 0.6  # tokenizing took 0.6 s of its TTFT already
+    with pytest.raises(Exception) as e:
+        adm.check(late)
+    assert e.value.code == "ttft_slo"
+    for i in range(8):  # first tokens exactly as predicted after routing, each 0.6 s after receipt
+        plan = router.plan(f"r{i}", shape)
+        plan.waited_s = 0.6
+        router.commit(plan, ttft_slo_s=10.0)
+        assert plan.started_at == pytest.approx(clock.t - 0.6)  # the deadline runs from receipt
+        assert router._awaiting["a"][plan.request_id] == pytest.approx(clock.t - 0.6 + 10.0)
+        router.accepted(plan, "a")
+        clock.t += plan.predicted_ttft_s
+        reg.observe(prefill("a"))
+        router.first_token(plan, arrived=True)
+    assert router.ttft_bias_s() == pytest.approx(0.0)  # the wait is the request's own, not the model's error
+
+
 def test_queue_limit_counts_the_measured_lateness_of_first_tokens():
     clock = Clock()
     reg, router, _ = setup(prefill("a"), clock=clock)

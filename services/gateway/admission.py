@@ -27,11 +27,13 @@ configured (gateway flags in brackets):
                         drain time bounds every request's TTFT whatever the order. None left:
                         429, Retry-After = the least overshoot of a worker's bound (SLO or
                         earliest deadline), at least 1 s: a queue drains about one second of
-                        compute per second. Predictions are compared with the SLO plus the
-                        router's measured bias (``Router.ttft_bias_s``: how much later than
-                        predicted first tokens have been arriving), so time the model leaves
+                        compute per second. A prediction plus the router's measured bias
+                        (``Router.ttft_bias_s``: how much later than predicted first tokens
+                        have been arriving) plus the time the request already spent at the
+                        gateway (``Plan.waited_s``: parsing, tokenizing, images; TTFT runs
+                        from its receipt) is what is held to the SLO, so time the model leaves
                         out (the gateway, the network, a CPU slower than fitted) is not
-                        admitted against the SLO.
+                        admitted against it.
 
 Decode admission, always on: when live decode workers report and, as their reports stand, none
 has free KV for the request's prompt and reserve and a queue within
@@ -128,13 +130,14 @@ class Admission:
         # NOTE: a worker where this request would push an earlier one past its deadline is skipped
         bound = {c.worker_id: min(slo, router.slack(c.worker_id)) if router is not None else slo
                  for c in plan.candidates}
-        ok = [c for c in plan.candidates if c.finish_s + bias <= bound[c.worker_id]]
+        late = bias + plan.waited_s  # the model's measured error, and this request's time before routing
+        ok = [c for c in plan.candidates if c.finish_s + late <= bound[c.worker_id]]
         if not ok:
-            best = min(c.finish_s for c in plan.candidates) + bias
+            best = min(c.finish_s for c in plan.candidates) + late
             why = (f"predicted time to first token {best:.2f}s exceeds the {slo:g}s SLO" if best > slo else
                    f"no prefill worker can serve this request within the {slo:g}s TTFT SLO without delaying "
                    "earlier requests past it")
-            wait = min(c.finish_s + bias - bound[c.worker_id] for c in plan.candidates)
+            wait = min(c.finish_s + late - bound[c.worker_id] for c in plan.candidates)
             raise self._reject(f"{why}; retry later", "ttft_slo", wait)
         plan.candidates = ok
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -239,7 +240,10 @@ async def admit(choices: list[Choice], prompt_ids: list[int], sampling: Sampling
     streams = [c.stream for c in choices]
     gw.admission.enter(streams)
     plans: list[Plan] = []
-    started = gw.router.clock()
+    # NOTE: TTFT runs from the request's receipt; parsing, tokenizing and image encoding before
+    # routing took ``waited`` of it already, which the workers' predictions do not see
+    waited = max(0.0, time.monotonic() - choices[0].timing.request.arrived)
+    started = gw.router.clock() - waited
     try:
         predicted = gw.router.config.prefill_policy in ("predicted", "dynamo")
         first = choices[0].stream
@@ -248,6 +252,7 @@ async def admit(choices: list[Choice], prompt_ids: list[int], sampling: Sampling
                                       images=first.images)
         for c in choices:
             plan = gw.router.plan(c.stream.request_id, shape)
+            plan.waited_s = waited
             gw.admission.check(plan)
             gw.admission.check_decode(plan)
             gw.router.commit(plan, gw.admission.config.ttft_slo_s, started_at=started)

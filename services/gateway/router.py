@@ -131,7 +131,8 @@ class Plan:
     candidates: list[Candidate]
     decode_worker: str | None = None
     router: "Router | None" = field(default=None, repr=False)
-    started_at: float | None = None  # monotonic s: when routing began (TTFT is measured from here)
+    started_at: float | None = None  # router clock, s: the request's receipt (TTFT is measured from here)
+    waited_s: float = 0.0  # seconds from the request's receipt to its routing (parsing, tokenizing, images)
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -231,10 +232,10 @@ class Router:
     # --- booking ---------------------------------------------------------------------------
     def commit(self, plan: Plan, ttft_slo_s: float | None = None, started_at: float | None = None) -> None:
         """Book the plan's first prefill candidate and choose (and book) its decode worker.
-        With ``ttft_slo_s``, the request's deadline (``started_at`` + SLO; default: now) is tracked
-        until ``first_token`` (``slack``)."""
+        With ``ttft_slo_s``, the request's deadline (``started_at`` + SLO; default: now minus the
+        plan's ``waited_s``, the request's receipt) is tracked until ``first_token`` (``slack``)."""
         now = self.clock()
-        plan.started_at = now if started_at is None else started_at
+        plan.started_at = now - plan.waited_s if started_at is None else started_at
         if self._turn % 256 == 0:
             self._forget_dead()
         if plan.candidates:
@@ -278,7 +279,7 @@ class Router:
         for waiting in self._awaiting.values():
             waiting.pop(plan.request_id, None)
         if arrived and plan.started_at is not None and plan.predicted_ttft_s is not None:
-            self._errors.append(self.clock() - plan.started_at - plan.predicted_ttft_s)
+            self._errors.append(self.clock() - plan.started_at - plan.waited_s - plan.predicted_ttft_s)
             plan.started_at = None
 
     def ttft_bias_s(self) -> float:
