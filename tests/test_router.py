@@ -332,6 +332,56 @@ def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_sl
     assert len(router._errors) == 8
 
 
+def _hashed(n_tokens: int, blocks: list[str]) -> PromptShape:
+    return PromptShape(num_tokens=n_tokens, block_hashes=tuple(blocks), block_size=16)
+
+
+def test_a_prompt_whose_prefix_is_being_computed_goes_where_it_is_computed_and_is_predicted_cheaper():
+    reg, router, clock = setup(prefill("a"), prefill("b"))
+    prefix = [f"p{i}" for i in range(400)]  # 6,400 shared tokens
+    r1 = router.plan("r1", _hashed(6500, prefix + ["x1", "x2", "x3", "x4", "x5", "x6"]))
+    router.commit(r1)
+    where = r1.candidates[0].worker_id
+    other = "b" if where == "a" else "a"
+    r2 = router.plan("r2", _hashed(6500, prefix + ["y1", "y2", "y3", "y4", "y5", "y6"]))
+    by = {c.worker_id: c for c in r2.candidates}
+    assert r2.candidates[0].worker_id == where  # computes 100 tokens there, 6,500 on the other
+    assert by[where].compute_s < 0.05 * by[other].compute_s
+    assert r2.shape.cached_tokens == 0  # the shape itself is not changed: the sharing is one worker's
+    unrelated = router.plan("r3", _hashed(6500, [f"q{i}" for i in range(406)]))
+    assert {c.worker_id: round(c.compute_s, 6) for c in unrelated.candidates} == {
+        "a": round(by[other].compute_s, 6), "b": round(by[other].compute_s, 6)}
+    router.accepted(r1, other)  # the fallback took it: the prefix is computed there now
+    moved = {c.worker_id: c for c in router.plan("r4", r2.shape).candidates}
+    assert moved[other].compute_s < 0.05 * moved[where].compute_s
+    router.first_token(r1, arrived=True)  # its blocks are stored now: every worker loads them alike
+    after = router.plan("r5", r2.shape)
+    assert after.candidates[0].compute_s == pytest.approx(after.candidates[1].compute_s)
+    router.commit(after)
+    router.forget(after)  # refused or never taken: nothing of it stays
+    assert len(router._computing) == 0
+
+
+def test_inflight_prefixes_count_shared_leading_blocks_per_worker_until_removed():
+    from deepinfer.gateway.router import InflightPrefixes
+
+    inflight = InflightPrefixes(limit=2)
+    inflight.add("a", "r1", ("h0", "h1", "h2", "h3"))
+    inflight.add("a", "r2", ("h0", "h1", "k2"))
+    assert inflight.shared_blocks("a", ("h0", "h1", "h2", "z")) == 3
+    assert inflight.shared_blocks("a", ("x0", "h1")) == 0  # chained: a different first block shares nothing
+    assert inflight.shared_blocks("b", ("h0",)) == 0
+    inflight.remove("r1")
+    assert inflight.shared_blocks("a", ("h0", "h1", "h2")) == 2  # r2 still holds h0, h1
+    inflight.add("b", "r2", ("h0", "h1", "k2"))  # moved: computed at b now, not at a
+    assert inflight.shared_blocks("a", ("h0",)) == 0 and inflight.shared_blocks("b", ("h0", "h1")) == 2
+    for i in range(3):  # over the limit the oldest is forgotten
+        inflight.add("b", f"s{i}", (f"s{i}",))
+    assert len(inflight) == 2 and inflight.shared_blocks("b", ("h0",)) == 0
+    inflight.keep_only({"a"})
+    assert len(inflight) == 0
+
+
 def test_time_spent_before_routing_counts_against_the_slo_and_not_as_model_error():
     clock = Clock()
     reg, router, _ = setup(prefill("a"), clock=clock)

@@ -7,7 +7,7 @@ configured (gateway flags in brackets):
   max_inflight          [--max-inflight N]         generation streams this gateway has open
                         (admitted and not finished; a request with n choices counts n); one
                         more is refused. Retry-After: 1 s.
-  max_queued_prefill_s  [--max-queued-prefill-s S] (the gateway's default: 60 s, under its request
+  max_queued_prefill_s  [--max-queued-prefill-s S] (the gateway's default: 30 s, under its request
                         timeout) per prefill worker: a worker whose predicted
                         queued compute plus this request's would exceed S seconds is not used
                         (one with an empty queue always is, so any single request can run);
@@ -61,7 +61,7 @@ from deepinfer.gateway.router import Plan
 from deepinfer.gateway.stream import Phase, RequestStream
 
 
-DEFAULT_MAX_QUEUED_PREFILL_S = 60.0
+DEFAULT_MAX_QUEUED_PREFILL_S = 30.0
 
 
 @dataclass

@@ -171,6 +171,7 @@ async def open_choices(choices: list[Choice], prompt_ids: list[int], sampling: S
             return_exceptions=True,
         )
     except BaseException:  # cancelled
+        release(plans)
         for c in choices:
             spawn(c.stream.abort())
         raise

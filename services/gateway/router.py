@@ -17,10 +17,20 @@ FAST '25, §6)::
                budget (ceil(work / budget); one step without a budget)
     load(c)    stored prefix blocks × kv_block_bytes / kv_load_bytes_per_s
     c          tokens of the longest stored prefix: the prompt's chained block hashes (the
-               workers' fingerprint and the request's cache_salt) looked up in the kvindex
+               workers' fingerprint and the request's cache_salt) looked up in the kvindex;
+               at the worker this gateway sent a request with the same leading blocks that
+               has no first token yet, the blocks shared with it if more: the engine makes a
+               prompt wait for blocks a running request is computing and then hits them
+               (in-flight prefix sharing), so that worker computes them once
+
+Ties go to the worker that computes less: the score is ``finish_w + compute_weight · compute_w``
+(default weight 0.1), so where a worker already computing the prompt's prefix would finish about
+as soon as an idle one that would compute it again, it gets the request and the capacity is kept.
 
 Not by cache locality: any prefill worker loads any stored prefix from the shared tier, so a
-prefix shortens every worker's compute alike and costs every worker the same load time.
+prefix shortens every worker's compute alike and costs every worker the same load time. Only a
+prefix still being computed is local, until its blocks are stored: then the worker computing it
+is predicted to finish the request sooner, and gets it when that is the earliest finish.
 
 Baselines (``--prefill-router``): ``round_robin``; ``least_loaded`` (fewest active + waiting
 requests, counting those sent since the report); ``dynamo``, the cost of NVIDIA Dynamo's KV
@@ -41,10 +51,11 @@ The router only ranks: ``admission`` filters and rejects, ``commit`` books the c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,6 +66,7 @@ from deepinfer.protocol import LoadReport
 PREFILL_POLICIES = ("predicted", "round_robin", "least_loaded", "dynamo")
 BIAS_WINDOW = 64  # recent requests whose TTFT prediction errors ``ttft_bias_s`` takes the median of
 BIAS_MIN_SAMPLES = 8
+MAX_COMPUTING = 4096  # prompts per worker remembered as being computed (oldest dropped beyond)
 
 
 @dataclass
@@ -72,6 +84,8 @@ class RouterConfig:
     targeted_timeout_s: how long one targeted submit may take before the next is tried.
     report_margin_s: a request accepted this long before a worker's report is in that report
     (work sent since a report is counted until then).
+    compute_weight: the predicted policy's score adds this times the request's own compute
+    seconds to its finish time: near ties go to the worker that computes less.
     prefill_role: the workers that compute prompts: "prefill" (disaggregated serving), or
     "decode" (aggregated: each worker prefills and decodes its requests; a plan's decode worker
     is then its first candidate)."""
@@ -86,6 +100,7 @@ class RouterConfig:
     max_targeted: int = 2
     targeted_timeout_s: float = 2.0
     report_margin_s: float = 0.1
+    compute_weight: float = 0.1
     prefill_role: str = "prefill"
 
     def __post_init__(self):
@@ -103,6 +118,8 @@ class PromptShape:
     cached_tokens: int = 0  # tokens of the longest stored prefix (kvindex)
     stored_blocks: int = 0
     max_tokens: int = 16
+    block_hashes: tuple[str, ...] = ()  # the prompt's full blocks' chained hashes (empty: not hashed)
+    block_size: int = 0  # tokens per hashed block
 
     @property
     def new_tokens(self) -> int:
@@ -161,6 +178,59 @@ def finish_time(r: LoadReport, queue_s: float, shape: PromptShape, load_bytes_pe
     return work + max(1, steps) * r.cost_a + load, compute
 
 
+class InflightPrefixes:
+    """Per worker, the prompts being computed there (sent by this gateway, no first token yet):
+    each one's full-block chained hashes, and how many of those prompts hold each hash. Chained
+    hashes make a hash at position i stand for the whole prefix up to i, so the blocks a new
+    prompt shares with any of them is its leading run of counted hashes: O(shared blocks)."""
+
+    def __init__(self, limit: int = MAX_COMPUTING):
+        self.limit = limit  # prompts per worker (oldest forgotten beyond: a safety net)
+        self._prompts: dict[str, dict[str, tuple[str, ...]]] = {}  # worker -> request id -> hashes
+        self._blocks: dict[str, Counter] = {}  # worker -> hash -> prompts holding it
+
+    def add(self, worker_id: str, request_id: str, hashes: tuple[str, ...]) -> None:
+        """``request_id``'s prompt (``hashes``) is computed at ``worker_id`` now, nowhere else."""
+        self.remove(request_id)
+        prompts = self._prompts.setdefault(worker_id, {})
+        prompts[request_id] = hashes
+        self._blocks.setdefault(worker_id, Counter()).update(hashes)
+        if len(prompts) > self.limit:
+            self.remove(next(iter(prompts)), worker_id)
+
+    def remove(self, request_id: str, worker_id: str | None = None) -> None:
+        """``request_id`` is no longer computed at ``worker_id`` (None: anywhere)."""
+        for wid in [worker_id] if worker_id is not None else list(self._prompts):
+            hashes = self._prompts.get(wid, {}).pop(request_id, None)
+            if hashes is not None:
+                blocks = self._blocks[wid]
+                blocks.subtract(hashes)
+                for h in hashes:
+                    if h in blocks and blocks[h] <= 0:
+                        del blocks[h]
+
+    def shared_blocks(self, worker_id: str, hashes: tuple[str, ...]) -> int:
+        """Leading blocks of ``hashes`` that a prompt being computed at ``worker_id`` has too."""
+        blocks = self._blocks.get(worker_id)
+        if not blocks:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def keep_only(self, workers: set[str]) -> None:
+        """Forget the workers not in ``workers`` (dead)."""
+        for wid in [w for w in self._prompts if w not in workers]:
+            del self._prompts[wid]
+            self._blocks.pop(wid, None)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._prompts.values())
+
+
 class Router:
     """Ranks prefill workers and picks decode workers from the registry's live ``LoadReport`` s."""
 
@@ -173,6 +243,7 @@ class Router:
         self._decode_sent: dict[str, dict[str, _Sent]] = {}
         # worker -> request id -> its TTFT deadline (monotonic s), while a TTFT SLO is set
         self._awaiting: dict[str, dict[str, float]] = {}
+        self._computing = InflightPrefixes()  # prompts booked or accepted, until their first token
         self._turn = 0  # round robin and tie-breaking
         self._errors: deque[float] = deque(maxlen=BIAS_WINDOW)  # measured - predicted TTFT, s
 
@@ -196,6 +267,7 @@ class Router:
         fingerprint, bs = params
         hashes = block_hashes(prompt_ids[: (len(prompt_ids) - 1) // bs * bs], bs, fingerprint,
                               (cache_salt or "").encode(), [tuple(i) for i in images or ()])
+        shape.block_hashes, shape.block_size = tuple(hashes), bs
         if hashes:
             # num_tokens=0: the index keeps hit statistics for the workers' lookups, not for ours
             shape.stored_blocks = await index.lookup(hashes, traffic_class, num_tokens=0)
@@ -210,16 +282,33 @@ class Router:
         for pos, info in enumerate(workers):
             r, sent = info.report, self._pending(self._prefill_sent, info)
             queue_s = r.queued_prefill_s + sum(s.seconds for s in sent)
-            finish, compute = finish_time(r, queue_s, shape, self.config.kv_load_bytes_per_s)
-            score = self._score(r, sent, shape, finish, (pos - turn) % len(workers))
+            finish, compute = finish_time(r, queue_s, self._with_inflight(shape, r.worker_id),
+                                          self.config.kv_load_bytes_per_s)
+            score = self._score(r, sent, shape, finish, compute, (pos - turn) % len(workers))
             ranked.append((score, (pos - turn) % len(workers), Candidate(r.worker_id, finish, queue_s, compute, score)))
         ranked.sort(key=lambda t: (t[0], t[1]))
         return Plan(request_id, shape, [c for _, _, c in ranked], router=self)
 
-    def _score(self, r: LoadReport, sent: list[_Sent], shape: PromptShape, finish: float, rotation: int) -> float:
+    def _note_computing(self, plan: Plan, worker_id: str) -> None:
+        """``plan``'s prompt is being computed at ``worker_id`` (and nowhere else) until its first token."""
+        if plan.shape.block_hashes:
+            self._computing.add(worker_id, plan.request_id, plan.shape.block_hashes)
+
+    def _with_inflight(self, shape: PromptShape, worker_id: str) -> PromptShape:
+        """``shape`` as ``worker_id`` would compute it: its cached tokens count the leading blocks
+        it shares with a request this gateway sent there that has no first token yet (that worker
+        computes them once; in-flight prefix sharing), where more than the stored prefix."""
+        shared = self._computing.shared_blocks(worker_id, shape.block_hashes)
+        cached = min(shared * shape.block_size, shape.num_tokens - 1)  # the last token is computed
+        if cached <= shape.cached_tokens:
+            return shape
+        return dataclasses.replace(shape, cached_tokens=cached)
+
+    def _score(self, r: LoadReport, sent: list[_Sent], shape: PromptShape, finish: float, compute: float,
+               rotation: int) -> float:
         policy = self.config.prefill_policy
         if policy == "predicted":
-            return finish
+            return finish + self.config.compute_weight * compute
         if policy == "round_robin":
             return rotation
         if policy == "least_loaded":
@@ -241,6 +330,7 @@ class Router:
         if plan.candidates:
             cand = plan.candidates[0]
             self._book_prefill(plan, cand.worker_id, now)
+            self._note_computing(plan, cand.worker_id)
             if ttft_slo_s is not None:
                 self._awaiting.setdefault(cand.worker_id, {})[plan.request_id] = plan.started_at + ttft_slo_s
         if self.config.prefill_role == "decode":  # aggregated: the worker that prefills decodes too
@@ -258,6 +348,7 @@ class Router:
         for wid, waiting in list(self._awaiting.items()):
             if wid != worker_id and plan.request_id in waiting:
                 self._awaiting.setdefault(worker_id, {})[plan.request_id] = waiting.pop(plan.request_id)
+        self._note_computing(plan, worker_id)
         entry = self._prefill_sent.get(worker_id, {}).get(plan.request_id)
         if entry is None:
             entry = self._book_prefill(plan, worker_id, now)
@@ -266,18 +357,21 @@ class Router:
     def failed(self, plan: Plan, worker_id: str) -> None:
         """``worker_id`` refused the prefill or did not answer: unbook it there."""
         self._prefill_sent.get(worker_id, {}).pop(plan.request_id, None)
+        self._computing.remove(plan.request_id, worker_id)
 
     def forget(self, plan: Plan) -> None:
         """No prefill worker took the request (or it was refused admission): unbook it everywhere."""
         for book in (self._prefill_sent, self._decode_sent, self._awaiting):
             for sent in book.values():
                 sent.pop(plan.request_id, None)
+        self._computing.remove(plan.request_id)
 
     def first_token(self, plan: Plan, arrived: bool = False) -> None:
         """The request's first token ``arrived`` (or it ended without): no deadline to keep any more.
         An arrival also records the prediction's error (``ttft_bias_s``)."""
         for waiting in self._awaiting.values():
             waiting.pop(plan.request_id, None)
+        self._computing.remove(plan.request_id)
         if arrived and plan.started_at is not None and plan.predicted_ttft_s is not None:
             self._errors.append(self.clock() - plan.started_at - plan.waited_s - plan.predicted_ttft_s)
             plan.started_at = None
@@ -375,6 +469,7 @@ class Router:
         for book in (self._prefill_sent, self._decode_sent, self._awaiting):
             for wid in [w for w in book if w not in alive]:
                 del book[wid]
+        self._computing.keep_only(alive)
 
     def sent_counts(self) -> dict[str, int]:
         """Requests booked per worker and not yet in its reports (for tests and /health)."""
