@@ -31,7 +31,8 @@ that reports it could not hand off, triggers a failover (``_failover``):
 
   * the worker is *abandoned*: sent an ``AbortRequest`` (in case it was only
     slow) and every later chunk from it is dropped, so it can never stream
-    duplicates;
+    duplicates; one that still streams was not reached by that abort and is
+    aborted again (at most once a second);
   * PREFILL (no token yet): a fresh ``PrefillRequest`` (same request id and
     stream subject) goes to another live prefill worker, the least loaded;
   * HANDOFF / DECODE (tokens out): a ``DecodeRequest`` goes to another live
@@ -82,6 +83,8 @@ from deepinfer.protocol import (
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
+
+REABORT_S = 1.0  # least seconds between aborts sent again to one abandoned worker that still streams
 
 # Fire-and-forget tasks (aborts after a client left) must be referenced until done.
 _background: set[asyncio.Task] = set()
@@ -171,6 +174,7 @@ class RequestStream:
         self.output_token_ids: list[int] = []  # tokens received so far (what the client was given)
         self.failovers = 0  # submits made after a failure
         self._abandoned: set[str] = set()  # workers the request was moved away from: chunks dropped
+        self._reaborted: dict[str, float] = {}  # abandoned worker -> when it was last aborted again
         self._pinned_decode = ""  # decode worker the gateway resumed on: other decode chunks dropped
         self._pinned_attempt = -1  # ... and the attempt it resumed with (older copies there dropped)
         self._decode_copy: tuple[str, int] | None = None  # (worker, attempt) whose decode chunks are taken
@@ -290,6 +294,8 @@ class RequestStream:
     async def _accept(self, chunk: TokenChunk) -> bool:
         """Whether ``chunk`` belongs to the stream (failover, copies and gaps: see the module docstring)."""
         if chunk.worker_id in self._abandoned:
+            if chunk.finish_reason is None:  # still running our request there: the abort was lost
+                await self._abort_again(chunk)
             return False
         if self._pinned_decode and chunk.role == "decode" and chunk.worker_id != self._pinned_decode:
             self._abandoned.add(chunk.worker_id)  # a second copy: the handoff raced our resume
@@ -528,6 +534,15 @@ class RequestStream:
             log.info("abort_sent", request_id=self.request_id, role=role, to=worker_id)
         except Exception as e:  # NATS down: the worker finishes on its own (max_tokens)
             log.warning("abort_failed", request_id=self.request_id, to=worker_id, error=str(e))
+
+    async def _abort_again(self, chunk: TokenChunk) -> None:
+        """An abandoned worker still streams ``chunk.attempt``: abort that attempt there again (at
+        most once every ``REABORT_S`` per worker), so a copy that missed its abort (a dropped
+        message, a partitioned link) stops instead of running to ``max_tokens``."""
+        now = time.monotonic()
+        if now - self._reaborted.get(chunk.worker_id, -REABORT_S) >= REABORT_S:
+            self._reaborted[chunk.worker_id] = now
+            await self._publish_abort(chunk.role, chunk.worker_id, chunk.attempt)
 
     async def _publish_final_abort(self) -> None:
         msg = AbortRequest(self.request_id, final=True)
