@@ -9,9 +9,12 @@ from deepinfer.protocol import SamplingParams
 EOS = 2
 
 
-def make(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, max_len=100, time_budget=None, cost=None):
+def make(num_blocks=8, block_size=4, max_num_seqs=8, budget=64, max_len=100, time_budget=None, cost=None,
+         lone_factor=1):
+    """(lone_factor 1: a lone sequence gets the plain time budget, unless a test asks otherwise)"""
     bm = BlockManager(num_blocks, block_size, "fp")
-    return bm, Scheduler(bm, max_num_seqs, budget, max_len, [EOS], cost, time_budget, min_chunk=block_size)
+    return bm, Scheduler(bm, max_num_seqs, budget, max_len, [EOS], cost, time_budget, min_chunk=block_size,
+                         lone_budget_factor=lone_factor)
 
 
 def seq(rid, n, max_tokens=10, first=10, **kw):
@@ -173,6 +176,38 @@ def test_chunk_time_is_floored_at_the_fixed_step_cost():
     s.postprocess([long], {})
     s.schedule()
     assert long.num_scheduled_tokens == 240
+
+
+def test_at_a_long_context_a_chunk_takes_at_least_the_step_fixed_cost_in_tokens():
+    """Where the fixed cost (a + e c) alone exceeds the budget, the first chunk still spends as long
+    on tokens as on that fixed cost, not min_chunk's worth (an 8k-token prompt took 441 steps)."""
+    cost = StepCostModel(a=0.1, b=1e-3, d=1e-6, e=2e-5)
+    _, s = make(num_blocks=4096, block_size=4, budget=10_000, max_len=10_000, time_budget=0.25, cost=cost)
+    long, other = seq("long", 9000), seq("other", 40, first=5000)
+    s.add(long)
+    long.num_computed_tokens = 8000  # (as if its earlier chunks ran)
+    s.add(other)  # competing: long is not alone, so the plain budget applies
+    s.running.append(s.waiting.popleft())
+    long.status = SequenceStatus.RUNNING
+    assert cost.a + cost.e * 8000 > 0.25  # the budget alone would leave min_chunk
+    s.schedule()
+    n = long.num_scheduled_tokens
+    tokens = cost.piece_cost(n, 8000) - cost.e * 8000
+    assert n == cost.efficient_chunk(8000) > 4 * s.min_chunk
+    assert tokens <= cost.a + cost.e * 8000 < tokens + cost.b + cost.d * 8000 * 2  # about the fixed cost
+
+
+def test_a_lone_sequence_gets_a_larger_budget_and_loses_it_when_another_arrives():
+    cost = StepCostModel(a=0.0, b=1e-3, d=0.0)
+    _, s = make(num_blocks=512, block_size=4, budget=10_000, time_budget=0.2, cost=cost, lone_factor=4)
+    long = seq("long", 1000)
+    s.add(long)
+    s.schedule()
+    assert long.num_scheduled_tokens == 800  # alone: 4 x 0.2 s at 1 ms a token
+    s.postprocess([long], {})
+    s.add(seq("short", 10, first=3000))
+    s.schedule()
+    assert long.num_scheduled_tokens == 100  # someone waits: 0.2 s, halved while they wait
 
 
 def test_a_prefix_being_computed_is_waited_for_then_hit_not_computed_twice():

@@ -67,10 +67,19 @@ class StepCostModel:
 
     def max_chunk(self, c: int, seconds: float) -> int:
         """Largest n with ``piece_cost(n, c) <= seconds`` (0 if none fits)."""
-        seconds -= self.e * c
+        return self._tokens_within(c, seconds - self.e * c)
+
+    def efficient_chunk(self, c: int) -> int:
+        """Largest n whose own compute after ``c`` context tokens (``piece_cost`` less the context
+        read ``e * c``) is at most the step's fixed cost there, ``a + e * c``: a step feeding at
+        least this many tokens spends at least half its time on them (>= 1)."""
+        return max(1, self._tokens_within(c, self.a + self.e * c))
+
+    def _tokens_within(self, c: int, seconds: float) -> int:
+        """Largest n with ``b n + d n (c + n/2) + e n <= seconds`` (0 if none fits)."""
         if seconds <= 0:
             return 0
-        # (d/2) n^2 + (b + d c + e) n - (seconds - e c) <= 0
+        # (d/2) n^2 + (b + d c + e) n - seconds <= 0
         qa, qb = self.d / 2, self.b + self.d * c + self.e
         if qa <= 0:
             return int(seconds / qb) if qb > 0 else 1 << 30
