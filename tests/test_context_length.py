@@ -73,17 +73,6 @@ def test_chat_prompt_plus_max_tokens_over_the_context(openai_client, tok):
     assert ok.choices[0].finish_reason == "stop"  # exactly the room left is allowed
 
 
-def test_a_prompt_of_the_whole_context_but_one_token_gets_its_one_token(openai_client, tok):
-    """The longest prompt a request can have (context - 1 tokens, max_tokens 1) is computed and answered
-    whole, not refused or timed out (time printed; measured with nothing else running in the notes)."""
-    ids = tok(LONG)["input_ids"][: CONTEXT - 1]
-    started = time.monotonic()
-    r = openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
-    print(f"\n{CONTEXT - 1}-token prompt, 1 token: {time.monotonic() - started:.1f} s")
-    assert r.usage.prompt_tokens == CONTEXT - 1 and r.usage.completion_tokens == 1
-    assert r.choices[0].finish_reason == "length" and r.choices[0].text
-
-
 def test_completions_prompt_over_the_context(openai_client, tok):
     n = len(tok(LONG)["input_ids"])
     assert n > CONTEXT

@@ -7,6 +7,8 @@
 - a prefill worker killed with requests queued: they are re-dispatched to the
   other prefill worker (mock workers, so prefill is slow enough to queue);
 - the only decode worker killed: a clear error event, no hang;
+- a request queued on an aggregated worker behind a full batch for longer than the gateway's
+  inactivity limit: the worker's keep-alives keep it from timing out, and it is answered;
 - SIGTERM: a prefill and a decode worker drain (no new work, in-flight work
   finishes, exit 0) while the mesh keeps serving, with no failover.
 
@@ -267,6 +269,44 @@ def test_only_decode_worker_killed_ends_the_stream_with_a_clear_error_event(make
     assert "decode-0 stopped responding" in message and "resuming on another decode worker failed" in message
     assert elapsed < 10, elapsed
     assert httpx.get(m.gateway_url + "/health").status_code == 503  # no decode worker: new requests 503 at once
+
+
+def test_a_request_queued_behind_a_full_batch_outwaits_the_inactivity_limit(make_mesh):
+    """An aggregated worker runs one sequence at a time: the second request waits in its queue for
+    the first one's ~8 s, past the gateway's 4 s limit without output; the worker announces it again
+    while its engine steps (every 5 heartbeats of 0.5 s), so both are answered in full, neither timed
+    out nor moved."""
+    m = make_mesh(mode="agg", extra_args={"decode": [*mock_args("0.02,2e-5,1e-9,1e-7"), "--max-num-seqs", "1"],
+                                          "gateway": ["--request-timeout", "4"]})
+    client = openai.AsyncOpenAI(base_url=m.gateway_url + "/v1", api_key="t", max_retries=0, timeout=60)
+    max_tokens = 400  # ~8 s at 20 ms a step
+    kw = dict(model=MODEL, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
+              stream=True, stream_options={"include_usage": True})
+
+    async def one(i: int) -> tuple[int, float]:
+        sent, first, tokens = time.monotonic(), None, 0
+        async for c in await client.chat.completions.create(
+                messages=[{"role": "user", "content": f"Story {i}, please."}], **kw):
+            if first is None and c.choices and c.choices[0].delta.content:
+                first = time.monotonic()
+            if c.usage:
+                tokens = c.usage.completion_tokens
+        return tokens, first - sent
+
+    async def both():
+        try:
+            first = asyncio.ensure_future(one(0))
+            await asyncio.sleep(1.0)  # the first is decoding
+            second = await one(1)
+            return await first, second
+        finally:
+            await client.close()
+
+    (n0, _), (n1, wait) = asyncio.run(both())
+    print(f"\nqueued behind a full batch: first token after {wait:.1f} s (limit without output: 4 s)")
+    assert (n0, n1) == (max_tokens, max_tokens)
+    assert wait > 4.5  # it did wait in the queue past the limit: the test shows what it claims
+    assert log_count(m, "decode-0", "decode_started") == 2  # answered where it queued, not resumed elsewhere
 
 
 # --- graceful drain -----------------------------------------------------------------------------

@@ -15,6 +15,8 @@ runs on for 30 s and more at its 1,500 output tokens: far past the bounds below.
 - overload: a second gateway with a TTFT SLO and an in-flight limit, arrivals at 5x what the
   prefill workers can do: the excess gets 429 + Retry-After in each API's error shape, every
   admitted request completes within the stated bounds, the gateway's RSS stays bounded.
+- the longest prompt (context - 1 tokens, max_tokens 1): answered through the official client,
+  not refused or timed out (the real engine's time for it: benchmarks/bench_long_prompt.py).
 - tenant isolation: prefix-cache probes under other ``cache_salt`` values get 0 cached tokens (the
   same salt gets a hit, also from the other prefill worker through the storage tier); TTFT of
   cold, same-salt and other-salt probes reported, other-salt asserted no faster than cold.
@@ -30,6 +32,7 @@ from collections import Counter
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -460,6 +463,20 @@ async def probe(client: httpx.AsyncClient, prompt: list[int], salt: str | None) 
                                 {} if salt is None else {"cache_salt": salt})
     assert r.ok, r.error
     return r.ttft, r.cached_tokens
+
+
+def test_a_prompt_of_the_whole_context_but_one_token_gets_its_one_token(mesh):
+    context = 8192  # SmolLM2-135M-Instruct's max_position_embeddings
+    client = openai.OpenAI(base_url=mesh.gateway_url + "/v1", api_key="t", max_retries=0, timeout=120)
+    ids = token_prompt(random.Random(8191), context - 1)
+    started = time.monotonic()
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
+    print(f"\n{context - 1}-token prompt, 1 token: {time.monotonic() - started:.1f} s (mock workers)")
+    assert r.usage.prompt_tokens == context - 1 and r.usage.completion_tokens == 1
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:  # one token more leaves no room for the answer
+        client.completions.create(model=MODEL, prompt=ids + ids[:1], max_tokens=1)
+    assert e.value.code == "context_length_exceeded"
 
 
 def test_other_salts_never_hit_the_prefix_cache_and_are_not_faster_than_cold(mesh):

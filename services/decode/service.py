@@ -28,7 +28,11 @@ Lifecycle of a request in this service:
      announces this worker on the stream (so the gateway watches it).
   4. Every step appends one token per running request; each step's tokens are
      published on the request's stream subject, the last chunk with its
-     finish reason; the request's blocks are freed.
+     finish reason; the request's blocks are freed. A request that waits in the
+     engine's queue (every batch slot or the KV taken) gets its announce again
+     every ``KEEPALIVE_BEATS`` heartbeats while the engine steps, so the gateway
+     knows it is queued here, not lost, and does not time it out; a stuck engine
+     sends none.
 An ``AbortRequest`` on ``deepinfer.decode.<worker_id>.abort`` or the broadcast
 ``deepinfer.decode.abort`` removes the request and frees its KV blocks at the
 engine's next step boundary: a final one (client gone, stop string matched)
@@ -47,6 +51,8 @@ goes to other workers; a submit on this worker's own subject is refused with
 from __future__ import annotations
 
 import asyncio
+import time
+
 import torch
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
@@ -60,6 +66,9 @@ from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitR
 from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
+
+KEEPALIVE_BEATS = 5  # heartbeats a request may go without a chunk before it is announced again
+
 
 def is_ephemeral(key: str) -> bool:
     return key.startswith("eph-")  # ``kvstore.ephemeral_key``
@@ -78,7 +87,9 @@ class DecodeService(EngineWorker):
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.aborted = AbortLedger()  # aborts that came before their submit
         self.offsets: dict[str, int] = {}  # request id -> its output tokens streamed so far (``TokenChunk.offset``)
+        self.last_chunk: dict[str, float] = {}  # request id -> when its last chunk was published (monotonic s)
         self.start_engine()
+        self._keepalive = asyncio.create_task(self.keep_alive())
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
         self._tasks: set[asyncio.Task] = set()  # prompt blocks being written to the storage tier
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
@@ -145,25 +156,53 @@ class DecodeService(EngineWorker):
         except RequestError as e:
             self.requests.pop(req.request_id, None)
             self.offsets.pop(req.request_id, None)
+            self.last_chunk.pop(req.request_id, None)
             self.end_span(req.request_id, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
         except BaseException as e:  # the mesh answers an ErrorReply; nothing of the request stays here
             self.requests.pop(req.request_id, None)
             self.offsets.pop(req.request_id, None)
+            self.last_chunk.pop(req.request_id, None)
             self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
             raise
         log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole,
                  image_embeddings=embeds is not None)
+        await self.announce(req, len(req.output_token_ids))
+        return SubmitReply(accepted=True, worker_id=self.worker_id)
+
+    async def announce(self, req: DecodeRequest, offset: int) -> None:
+        """An empty chunk at ``offset`` (output tokens streamed before it): the request is here
+        (the gateway watches this worker). At submit, the offset it came with: the engine's first
+        tokens may be out already, and an announce past them would look like lost chunks."""
+        self.last_chunk[req.request_id] = time.monotonic()
         await self.mesh.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
-            offset=len(req.output_token_ids), attempt=req.attempt))
-        return SubmitReply(accepted=True, worker_id=self.worker_id)
+            offset=offset, attempt=req.attempt))
+
+    async def keep_alive(self) -> None:
+        """Every heartbeat, while the engine has stepped since the last one, announce again the
+        requests with no chunk for ``KEEPALIVE_BEATS`` heartbeats (queued behind a full batch)."""
+        period, steps = KEEPALIVE_BEATS * self.heartbeat_s, self.engine.num_steps
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if self.engine.num_steps == steps:
+                continue  # not stepping (idle, or stuck: then the gateway's timeout is right)
+            steps, now = self.engine.num_steps, time.monotonic()
+            for rid, req in list(self.requests.items()):
+                # (silent for a period: no chunk of it is still on its way, so its offset is the stream's)
+                if rid in self.offsets and now - self.last_chunk.get(rid, now) >= period:
+                    try:
+                        await self.announce(req, self.offsets[rid])
+                    except Exception as e:  # NATS down: the next round tries again
+                        log.warning("keepalive_failed", request_id=rid, error=str(e))
+                        break
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
         if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
             del self.requests[msg.request_id]
             self.offsets.pop(msg.request_id, None)
+            self.last_chunk.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
             self.num_aborted += 1
@@ -184,9 +223,11 @@ class DecodeService(EngineWorker):
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
                 self.offsets.pop(out.request_id, None)
+                self.last_chunk.pop(out.request_id, None)
                 self.end_span(out.request_id, out)
             elif offset >= 0:
                 self.offsets[out.request_id] = offset + len(out.new_token_ids)
+                self.last_chunk[out.request_id] = time.monotonic()
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
@@ -205,6 +246,10 @@ class DecodeService(EngineWorker):
 
     def busy(self) -> bool:
         return bool(self.requests or self._tasks)
+
+    async def teardown(self) -> None:
+        self._keepalive.cancel()
+        await super().teardown()
 
     # --- helpers ---------------------------------------------------------------
     def end_span(self, request_id: str, out: StepOutput | None = None, error: str = "") -> None:
