@@ -248,7 +248,9 @@ class DecodeService(EngineWorker):
         return bool(self.requests or self._tasks)
 
     async def teardown(self) -> None:
-        self._keepalive.cancel()
+        keepalive = getattr(self, "_keepalive", None)  # (none if set-up failed before it)
+        if keepalive is not None:
+            keepalive.cancel()
         await super().teardown()
 
     # --- helpers ---------------------------------------------------------------
