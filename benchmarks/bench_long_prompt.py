@@ -7,6 +7,8 @@ unless ``--engine-only``, a whole mesh started by the launcher (``Mesh``, the co
 engine's steps for it and its fitted cost model (``a`` per step, ``e`` per context token read).
 
     python benchmarks/bench_long_prompt.py [--dtype auto|float32|bfloat16] [--mode agg|disagg] [--runs 2]
+
+(``--mode`` defaults to ``deepinfer up``'s mode.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import os
 import tempfile
 import time
+
+from deepinfer.cli import DEFAULT_MODE
 
 
 def prompt_ids(model_dir: str, n: int) -> list[int]:
@@ -64,7 +68,7 @@ def mesh_runs(ids: list[int], dtype: str, mode: str, runs: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--mode", default="agg", choices=["agg", "disagg"])
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=["agg", "disagg"])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--engine-only", action="store_true")
     args = p.parse_args()
