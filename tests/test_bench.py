@@ -31,7 +31,10 @@ def test_request_metrics_and_run_summary_on_known_timings():
     assert a.ttft == 0.5 and a.tpot == pytest.approx(0.25) and a.itls == pytest.approx([0.2, 0.3])
     assert b.tpot is None and b.ttft == 2.0
     s = summarize([a, b, rejected, failed], duration_s=4.0, slo_ttft_s=1.0, slo_tpot_s=0.3)
-    assert s["requests"] == {"sent": 4, "completed": 2, "rejected_429": 1, "failed": 1}
+    assert s["requests"] == {"sent": 4, "completed": 2, "rejected_429": 1, "rejected_429_without_retry_after": 0,
+                             "failed": 1}
+    bare = RequestResult(sent=3.0, status=429, error="busy")  # no Retry-After header
+    assert summarize([a, rejected, bare], 4.0)["requests"]["rejected_429_without_retry_after"] == 1
     assert s["ttft_s"]["mean"] == pytest.approx(1.25) and s["ttft_s"]["median"] == pytest.approx(1.25)
     assert s["itl_s"]["mean"] == pytest.approx(0.25)
     assert s["request_throughput"] == 0.5 and s["output_throughput"] == 1.0

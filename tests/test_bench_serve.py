@@ -41,7 +41,8 @@ def test_latencies_follow_vllm_definitions_on_known_timings():
     assert (b.ttft, b.e2e, b.tpot, *b.itls) == pytest.approx((0.2, 0.4, 0.2, 0.2))
     assert c.tpot is None and c.itls == []  # one output token: no TPOT, no gap
     s = summarize(known_results(), duration_s=4.0)
-    assert s["requests"] == {"sent": 5, "completed": 3, "rejected_429": 1, "failed": 1}
+    assert s["requests"] == {"sent": 5, "completed": 3, "rejected_429": 1,
+                             "rejected_429_without_retry_after": 0, "failed": 1}
     assert s["ttft_s"] == pytest.approx({"mean": 1.7 / 3, "median": 0.5, "p90": 0.9, "p99": 0.99})
     assert s["itl_s"] == pytest.approx({"mean": 0.7 / 3, "median": 0.2, "p90": 0.28, "p99": 0.298})
     assert s["tpot_s"] == pytest.approx({"mean": 0.2, "median": 0.2, "p90": 0.2, "p99": 0.2})
@@ -248,7 +249,8 @@ async def test_a_failed_turn_ends_its_session_and_is_reported_with_its_status():
     assert failed.status == 503 and failed.retry_after_s == 2.0 and "no worker" in failed.error
     assert sum(done) == 6  # the skipped turn is accounted for: the progress bar ends full
     s = summarize(run.results, run.duration_s)
-    assert s["requests"] == {"sent": 5, "completed": 4, "rejected_429": 0, "failed": 1}
+    assert s["requests"] == {"sent": 5, "completed": 4, "rejected_429": 0,
+                             "rejected_429_without_retry_after": 0, "failed": 1}
 
 
 def test_the_table_puts_runs_side_by_side_with_the_ratio():

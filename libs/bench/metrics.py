@@ -114,6 +114,9 @@ def summarize(results: list[RequestResult], duration_s: float, slo_ttft_s: float
     return {
         "requests": {"sent": len(results), "completed": len(done),
                      "rejected_429": sum(r.status == 429 for r in results),
+                     # a refusal a client cannot pace itself by
+                     "rejected_429_without_retry_after": sum(r.status == 429 and r.retry_after_s is None
+                                                             for r in results),
                      "failed": sum(not r.ok and r.status != 429 for r in results)},
         "ttft_s": distribution([r.ttft for r in done]),
         "tpot_s": distribution([t for r in done if (t := r.tpot) is not None]),

@@ -169,8 +169,9 @@ def report(rows: list[dict], reqs: list[TraceRequest], results: list[RequestResu
 def format_table(s: dict) -> str:
     """The summary as a terminal table."""
     q = s["requests"]
-    lines = [f"requests: {q['sent']} sent, {q['completed']} completed, {q['rejected_429']} rejected (429), "
-             f"{q['failed']} failed, in {s['duration_s']:.1f} s",
+    bare = q["rejected_429_without_retry_after"]
+    lines = [f"requests: {q['sent']} sent, {q['completed']} completed, {q['rejected_429']} rejected (429"
+             f"{f', {bare} without Retry-After' if bare else ''}), {q['failed']} failed, in {s['duration_s']:.1f} s",
              f"throughput: {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
              f"goodput {s['goodput']:.2f} req/s (TTFT <= {s['slo']['ttft_s']} s, TPOT <= {s['slo']['tpot_s']} s)",
              "hit rate (tokens): measured {measured:.2%} | ideal, engine blocks {ideal_engine:.2%} | "
