@@ -247,3 +247,24 @@ def test_prefill_chunks_of_a_shared_prefix_are_waited_for_chunk_by_chunk():
         s.postprocess(step, {i: 9 for i, x in enumerate(step) if x.num_computed_tokens + x.num_scheduled_tokens >= len(x)})
     assert a.num_computed_tokens >= 17 and b.num_computed_tokens >= 17, "no progress"
     assert fed == {"a": 17, "b": 1} and b.num_cached_tokens == 16
+
+
+def test_imported_kv_waits_for_a_slot_when_the_batch_is_full_then_decodes():
+    """A handoff's sequence (its KV imported, status RUNNING) into a full batch waits in ``waiting``
+    with its blocks, counted there, and joins as a decode when a slot frees: ``max_num_seqs`` bounds
+    a decode worker's batch whatever way requests arrive."""
+    bm, s = make(num_blocks=16, max_num_seqs=1)
+    a = seq("a", 3, max_tokens=2)
+    s.add(a)
+    s.schedule()
+    s.postprocess([a], {0: 9})  # a decodes now
+    b = seq("b", 5, first=40)
+    b.num_computed_tokens = 4  # every token but the last, as a handoff brings it
+    bm.allocate(b, 5)
+    b.status = SequenceStatus.RUNNING
+    s.add(b)
+    assert list(s.waiting) == [b] and list(s.running) == [a] and b.block_table
+    assert s.schedule() == [a]  # the batch is full: b keeps waiting, with its blocks
+    s.postprocess([a], {0: 9})  # a's second token: max_tokens, it finishes and frees its slot
+    assert a.status == SequenceStatus.FINISHED
+    assert s.schedule() == [b] and b.num_scheduled_tokens == 1 and list(s.running) == [b] and not s.waiting
