@@ -4,9 +4,10 @@ Two queues, ``waiting`` and ``running`` (vLLM v1's unified scheduler):
 
 1. Running sequences first, in admission order. A decoding sequence feeds
    its one new token; a sequence still prefilling gets the next chunk.
-2. Then waiting sequences, while fewer than ``max_num_seqs`` run. One that
-   came with imported KV (a handoff into a full batch) just joins. For a new
-   or preempted one the longest cached prefix is taken from the block
+   Sequences that came with imported KV into a full batch (handoffs) and
+   waited for a slot join them first, while fewer than ``max_num_seqs`` run.
+2. Then waiting sequences (new or preempted), while fewer than
+   ``max_num_seqs`` run: the longest cached prefix is taken from the block
    manager (those tokens are not recomputed; on hybrid sliding-window models a
    bounded replay may feed the prefix's last W tokens again, see
    ``hybrid_blocks``) and the first chunk is cut. A waiting sequence whose next
@@ -83,7 +84,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence. One whose KV was imported (status RUNNING, its blocks held) runs at
         once while fewer than ``max_num_seqs`` do, else waits for a slot in ``waiting``, keeping
-        its blocks (``schedule`` admits it without a prefix lookup)."""
+        its blocks (``schedule`` moves it to ``running`` when one frees, ahead of new prompts)."""
         imported = seq.status == SequenceStatus.RUNNING
         (self.running if imported and len(self.running) < self.max_num_seqs else self.waiting).append(seq)
 
@@ -158,6 +159,13 @@ class Scheduler:
         has_prefill = False
         scheduled: list[Sequence] = []
 
+        # handoffs that waited for a slot (their KV in place) join the running ones, ahead of new prompts
+        if len(self.running) < self.max_num_seqs:
+            for seq in [q for q in self.waiting if q.status == SequenceStatus.RUNNING]:
+                if len(self.running) >= self.max_num_seqs:
+                    break
+                self.waiting.remove(seq)
+                self.running.append(seq)
         inflight = self._inflight_blocks()
         # requests waiting only for blocks a running prefill computes do not take its budget share
         competing = sum(not self._waits_for(seq, inflight) for seq in self.waiting)
@@ -194,18 +202,6 @@ class Scheduler:
         deferred: list[Sequence] = []  # waiting for in-flight blocks: they keep their place in the queue
         while self.waiting and tokens_left > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.status == SequenceStatus.RUNNING:  # imported KV waiting for a slot: it decodes
-                n = min(seq.num_new_tokens, tokens_left)
-                bm.slide(seq)
-                if not bm.can_allocate(seq, seq.num_computed_tokens + n):
-                    break
-                self.waiting.popleft()
-                bm.allocate(seq, seq.num_computed_tokens + n)
-                self._take(seq, n, scheduled)
-                tokens_left -= n
-                if time_left is not None:
-                    time_left -= self.cost_model.piece_cost(n, seq.num_computed_tokens)
-                continue
             if self._waits_for(seq, inflight):
                 deferred.append(self.waiting.popleft())
                 self.num_deferred += 1

@@ -86,8 +86,9 @@ class DecodeService(EngineWorker):
     async def setup(self) -> None:
         self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.aborted = AbortLedger()  # aborts that came before their submit
-        self.offsets: dict[str, int] = {}  # request id -> its output tokens streamed so far (``TokenChunk.offset``)
-        self.last_chunk: dict[str, float] = {}  # request id -> when its last chunk was published (monotonic s)
+        # request id -> (its output tokens streamed so far: ``TokenChunk.offset``, when its last chunk went
+        # out: monotonic s)
+        self.streamed: dict[str, tuple[int, float]] = {}
         self.start_engine()
         self._keepalive = asyncio.create_task(self.keep_alive())
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
@@ -143,7 +144,7 @@ class DecodeService(EngineWorker):
                 if self.requests.get(req.request_id) is not req:  # aborted while the prefix went in
                     self.end_span(req.request_id, error="aborted")
                     return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
-            self.offsets[req.request_id] = len(req.output_token_ids)  # before the engine's first output
+            self.streamed[req.request_id] = (len(req.output_token_ids), time.monotonic())  # before its first output
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
@@ -155,14 +156,12 @@ class DecodeService(EngineWorker):
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
-            self.offsets.pop(req.request_id, None)
-            self.last_chunk.pop(req.request_id, None)
+            self.streamed.pop(req.request_id, None)
             self.end_span(req.request_id, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
         except BaseException as e:  # the mesh answers an ErrorReply; nothing of the request stays here
             self.requests.pop(req.request_id, None)
-            self.offsets.pop(req.request_id, None)
-            self.last_chunk.pop(req.request_id, None)
+            self.streamed.pop(req.request_id, None)
             self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
             raise
         log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole,
@@ -174,7 +173,6 @@ class DecodeService(EngineWorker):
         """An empty chunk at ``offset`` (output tokens streamed before it): the request is here
         (the gateway watches this worker). At submit, the offset it came with: the engine's first
         tokens may be out already, and an announce past them would look like lost chunks."""
-        self.last_chunk[req.request_id] = time.monotonic()
         await self.mesh.publish(req.stream_subject, TokenChunk(
             request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
             offset=offset, attempt=req.attempt))
@@ -188,11 +186,13 @@ class DecodeService(EngineWorker):
             if self.engine.num_steps == steps:
                 continue  # not stepping (idle, or stuck: then the gateway's timeout is right)
             steps, now = self.engine.num_steps, time.monotonic()
-            for rid, req in list(self.requests.items()):
+            for rid, (offset, at) in list(self.streamed.items()):
+                req = self.requests.get(rid)
                 # (silent for a period: no chunk of it is still on its way, so its offset is the stream's)
-                if rid in self.offsets and now - self.last_chunk.get(rid, now) >= period:
+                if req is not None and now - at >= period:
+                    self.streamed[rid] = (offset, now)
                     try:
-                        await self.announce(req, self.offsets[rid])
+                        await self.announce(req, offset)
                     except Exception as e:  # NATS down: the next round tries again
                         log.warning("keepalive_failed", request_id=rid, error=str(e))
                         break
@@ -201,8 +201,7 @@ class DecodeService(EngineWorker):
         running = self.requests.get(msg.request_id)
         if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
             del self.requests[msg.request_id]
-            self.offsets.pop(msg.request_id, None)
-            self.last_chunk.pop(msg.request_id, None)
+            self.streamed.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
             self.end_span(msg.request_id, error="aborted")
             self.num_aborted += 1
@@ -219,15 +218,13 @@ class DecodeService(EngineWorker):
             req = self.requests.get(out.request_id)
             if req is None:  # aborted meanwhile
                 continue
-            offset = self.offsets.get(out.request_id, -1)
+            offset = self.streamed.get(out.request_id, (-1, 0.0))[0]
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
-                self.offsets.pop(out.request_id, None)
-                self.last_chunk.pop(out.request_id, None)
+                self.streamed.pop(out.request_id, None)
                 self.end_span(out.request_id, out)
             elif offset >= 0:
-                self.offsets[out.request_id] = offset + len(out.new_token_ids)
-                self.last_chunk[out.request_id] = time.monotonic()
+                self.streamed[out.request_id] = (offset + len(out.new_token_ids), time.monotonic())
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
