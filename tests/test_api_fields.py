@@ -11,8 +11,12 @@ of them. Requests go to the fake-worker gateway of ``gateway_harness``.
 from __future__ import annotations
 
 import ast
+import collections.abc
 import json
+import types
+import typing
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import anthropic
 import openai
@@ -21,8 +25,11 @@ import openai.types.completion_create_params as completion_params
 import openai.types.responses.response_create_params as response_params
 import anthropic.types.message_create_params as message_params
 import pytest
+import typing_extensions
+from pydantic import BaseModel, ValidationError
 
 from deepinfer.gateway import anthropic_api, openai_schema, responses_api
+from deepinfer.gateway.unsupported import Refused
 from deepinfer.protocol import subjects
 from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
 from test_gateway import TOKENIZER, assert_openai_error, eventually, stream_events
@@ -250,6 +257,254 @@ def test_every_client_field_is_honoured_or_refused(api):
         assert field in spec["model"].model_fields, f"{api}.{field}: refused fields are declared, with their reason"
 
 
+# --- the nested walk -------------------------------------------------------------------------------
+#
+# Below the top level, the client's types are unions of TypedDicts told apart by a ``type`` (or
+# ``role``) literal: content parts, message roles, tool kinds. The walk pairs each with the request
+# model's class that takes the same tag. A member no class takes must fail validation at its tag
+# (refused as a whole: ``input_audio`` parts, ``web_search`` tools). In a member that is taken, a
+# field the class does not declare is refused as an unknown field (every class forbids extras), a
+# field declared ``unsupported.refused`` is refused with its reason, and every other declared field
+# must be in ``NESTED``: honoured (the test of its effect), or a no-op with its reason. A field the
+# class takes as free-form JSON (a JSON schema) must be in ``FREE_FORM``.
+
+PARTS = "test_gateway.py::test_text_content_parts_are_joined"
+CHAT_TOOLS = "test_gateway.py::test_tool_calls_are_parsed_streaming_and_not_with_the_official_client"
+RESPONSES_TOOLS = "test_gateway_responses.py::test_function_call_outputs_go_back_as_tool_messages"
+MESSAGES_TOOLS = "test_gateway_anthropic.py::test_tool_results_go_back_as_tool_messages"
+NESTED_NOOPS = "test_api_fields.py::test_nested_no_op_fields_change_nothing"
+NESTED_REFUSALS = "test_api_fields.py::test_refused_nested_fields_are_400_naming_their_path"
+FORCED = "test_structured_output.py::test_forced_tool_calls_and_auto_through_the_official_client"
+STRICT = "test_api_fields.py::test_strict_tools_not_forced_constrain_the_calls_on_every_api"
+ROUND_TRIP = "test_api_fields.py::test_earlier_outputs_sent_back_as_input_are_taken"
+
+NESTED = {
+    "chat": {
+        "messages.content": PARTS,
+        "messages.content.text": PARTS,
+        "messages.name": NESTED_REFUSALS,  # tool messages take it (the template renders it); others: 400
+        "messages.tool_calls": CHAT_TOOLS,
+        "messages.tool_calls.id": CHAT_TOOLS,
+        "messages.tool_calls.function":
+            CHAT_TOOLS,
+        "messages.tool_calls.function.name":
+            CHAT_TOOLS,
+        "messages.tool_calls.function.arguments":
+            CHAT_TOOLS,
+        "messages.tool_call_id": CHAT_TOOLS,
+        "messages.content.image_url": "test_gateway_images.py::test_openai_client_sends_an_image",
+        "messages.content.image_url.url": "test_gateway_images.py::test_openai_client_sends_an_image",
+        "prediction.content": noop(NESTED_NOOPS, "inside a no-op field"),
+        "prediction.content.text": noop(NESTED_NOOPS, "inside a no-op field"),
+        "response_format.json_schema": FORCED,
+        "response_format.json_schema.schema": FORCED,
+        "response_format.json_schema.name": noop(NESTED_NOOPS, "a label of the schema"),
+        "response_format.json_schema.description": noop(
+            NESTED_NOOPS, "it tells the model what the format is for; the grammar makes the output an instance "
+                          "of the schema whatever it says"),
+        "response_format.json_schema.strict": noop(
+            NESTED_NOOPS, "the schema is always enforced, strict or not (as vLLM does)"),
+        "stream_options.include_usage": "test_gateway.py::test_usage_block_counts_prompt_completion_and_cached_tokens",
+        "tool_choice.function": FORCED,
+        "tool_choice.function.name": FORCED,
+        "tools.function": "test_gateway.py::test_tool_calls_are_parsed_streaming_and_not_with_the_official_client",
+        "tools.function.name": FORCED,
+        "tools.function.description":
+            "test_gateway.py::test_tool_calls_are_parsed_streaming_and_not_with_the_official_client",
+        "tools.function.parameters": FORCED,
+        "tools.function.strict": STRICT,
+    },
+    "completions": {
+        "stream_options.include_usage": "test_gateway.py::test_completions_with_the_official_client_streaming_and_not",
+    },
+    "responses": {
+        "input.content": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "input.content.text": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "input.role": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
+        "input.content.image_url": "test_gateway_images.py::test_responses_input_image_with_the_openai_client",
+        "input.content.file_id": NESTED_REFUSALS,
+        "input.id": noop(ROUND_TRIP, "the id of an earlier output item; only its content is read"),
+        "input.status": noop(ROUND_TRIP, "the status of an earlier output item"),
+        "input.arguments": RESPONSES_TOOLS,
+        "input.call_id": RESPONSES_TOOLS,
+        "input.name": RESPONSES_TOOLS,
+        "input.id": noop(ROUND_TRIP, "the id of an earlier output item; call_id pairs it"),
+        "input.status": noop(ROUND_TRIP, "the status of an earlier output item"),
+        "input.output": RESPONSES_TOOLS,
+        "input.output.text": ROUND_TRIP,
+
+        "input.id": noop(ROUND_TRIP, "an item id; call_id pairs the output"),
+        "input.status": noop(ROUND_TRIP, "the status of an item"),
+        "text.format": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "text.format.schema": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "text.format.name": noop(NESTED_NOOPS, "a label of the schema (echoed)"),
+        "text.format.description": noop(NESTED_NOOPS, "the grammar makes the output an instance of the schema"),
+        "text.format.strict": noop(NESTED_NOOPS, "the schema is always enforced, strict or not"),
+        "tool_choice.name": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "tools.name": "test_gateway_responses.py::test_function_calls_streamed_and_not",
+        "tools.description": "test_gateway_responses.py::test_function_calls_streamed_and_not",
+        "tools.parameters": "test_api_fields.py::test_responses_text_format_forced_calls_and_echoed_fields",
+        "tools.strict": STRICT,
+    },
+    "messages": {
+        "messages.content": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "messages.content.text": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "messages.content.id": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "messages.content.input": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "messages.content.name": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "messages.content.tool_use_id": MESSAGES_TOOLS,
+        "messages.content.content": MESSAGES_TOOLS,
+        "messages.content.content.text": ROUND_TRIP,
+        "messages.content.is_error": MESSAGES_TOOLS,
+        "messages.content.source": "test_gateway_images.py::test_anthropic_image_blocks",
+        "messages.content.source.data": "test_gateway_images.py::test_anthropic_image_blocks",
+        "messages.content.source.media_type": "test_gateway_images.py::test_anthropic_image_blocks",
+        "messages.content.source.url": "test_gateway_images.py::test_anthropic_image_blocks",
+        "metadata.user_id": noop(MESSAGES_NOOPS, SINGLE_TENANT),
+        "output_config.format": "test_structured_output.py::test_anthropic_output_config_format_through_the_mesh",
+        "output_config.format.schema": "test_structured_output.py::test_anthropic_output_config_format_through_the_mesh",
+        "system.text": "test_gateway_anthropic.py::test_message_with_system_and_usage_through_the_sdk",
+        "tool_choice.name": "test_gateway_anthropic.py::test_tool_choice_none_sends_no_tools_and_parses_nothing",
+        "tool_choice.disable_parallel_tool_use":
+            "test_api_fields.py::test_parallel_tool_calls_off_ends_the_turn_at_the_first_call",
+        "tools.name": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "tools.description": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "tools.input_schema": "test_gateway_anthropic.py::test_tool_use_blocks_streamed_and_not",
+        "tools.strict": STRICT,
+    },
+}
+# fields of any path, by name: cache hints (the prefix cache caches every prompt's blocks by itself)
+NESTED_ANYWHERE = {
+    "prompt_cache_breakpoint": noop(NESTED_NOOPS, CACHE_HINT),
+    "cache_control": noop(MESSAGES_NOOPS, CACHE_HINT),
+    "cache_control.ttl": noop(MESSAGES_NOOPS, CACHE_HINT),
+}
+FREE_FORM = {  # taken as any JSON object, by design
+    "messages": {"tools.input_schema": "a JSON schema (its own keywords are checked by llguidance)"},
+    "chat": {}, "responses": {}, "completions": {},  # (cache hints are no-ops wherever they are)
+}
+TAG_KEYS = ("type", "role")
+_WRAPPERS = {typing.Required, typing.NotRequired, typing_extensions.Required, typing_extensions.NotRequired,
+             typing_extensions.ReadOnly}
+_SEQUENCES = {list, collections.abc.Iterable, collections.abc.Sequence}
+
+
+def _leaves(ann) -> list:
+    """The member types of an annotation, through Optional / unions, lists, Required and Annotated."""
+    origin = get_origin(ann)
+    if origin is Annotated or origin in _WRAPPERS:
+        return _leaves(get_args(ann)[0])
+    if origin is Union or origin is types.UnionType or origin in _SEQUENCES:
+        return [leaf for a in get_args(ann) for leaf in _leaves(a)]
+    return [ann]
+
+
+def _hints(td) -> dict:
+    return typing.get_type_hints(td, include_extras=True)
+
+
+def _tag(td) -> tuple[str, str] | None:
+    """A client TypedDict's tag: its ``type`` (else ``role``) literal, or None."""
+    hints = _hints(td)
+    for key in TAG_KEYS:
+        literals = [a for a in _leaves(hints.get(key)) if get_origin(a) is Literal]
+        if literals:
+            return key, get_args(literals[0])[0]
+    return None
+
+
+def _fields(model: type[BaseModel]) -> dict:
+    return {info.alias or name: info for name, info in model.model_fields.items()}
+
+
+def _takes(model: type[BaseModel], tag: tuple[str, str] | None) -> bool:
+    if tag is None:
+        return True
+    info = _fields(model).get(tag[0])
+    return info is not None and any(tag[1] in get_args(a) for a in _leaves(info.annotation)
+                                    if get_origin(a) is Literal)
+
+
+def _walk(client_ann, our_ann, path: str, out: list, seen: frozenset = frozenset()) -> None:
+    ours = [t for t in _leaves(our_ann) if isinstance(t, type) and issubclass(t, BaseModel)]
+    for td in _leaves(client_ann):
+        if not typing_extensions.is_typeddict(td) or td in seen:
+            continue
+        tag = _tag(td)
+        here = f"{path}[{tag[0]}={tag[1]}]" if tag else path
+        models = [m for m in ours if _takes(m, tag)]
+        if not ours:
+            out.append(("free", here))
+            continue
+        if not models:
+            out.append(("member refused", here, ours, tag))
+            continue
+        model = models[0]
+        fields = _fields(model)
+        for name, ann in _hints(td).items():
+            info = fields.get(name)
+            if info is None:
+                out.append(("unknown refused" if model.model_config.get("extra") == "forbid" else "IGNORED",
+                            f"{here}.{name}"))
+            elif not (tag and name == tag[0]) and not any(isinstance(m, Refused) for m in info.metadata):
+                out.append(("declared", f"{here}.{name}"))
+                _walk(ann, info.annotation, f"{here}.{name}", out, seen | {td})
+
+
+def nested_findings(api: str) -> list[tuple]:
+    """What the walk finds below each top-level field the API takes (refused ones are refused whole)."""
+    spec, out = APIS[api], []
+    top = {}
+    for name in dir(spec["module"]):
+        if name.endswith(("ParamsBase", "ParamsStreaming", "ParamsNonStreaming")):
+            top.update(_hints(getattr(spec["module"], name)))
+    fields = _fields(spec["model"])
+    for name, ann in top.items():
+        info = fields.get(name)
+        if info is None or any(isinstance(m, Refused) for m in info.metadata):
+            continue
+        _walk(ann, info.annotation, name, out)
+    return out
+
+
+def _classified(table: dict, path: str):
+    """The entry for ``path`` without its tags (``[type=...]``), else by its last names."""
+    untagged = ".".join(part.split("[")[0] for part in path.split("."))
+    if untagged in table:
+        return table[untagged]
+    parts = untagged.split(".")
+    for n in (2, 1):
+        if ".".join(parts[-n:]) in NESTED_ANYWHERE:
+            return NESTED_ANYWHERE[".".join(parts[-n:])]
+    return None
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_every_nested_client_field_is_honoured_or_refused(api):
+    findings = nested_findings(api)
+    assert findings, api
+    assert not [f for f in findings if f[0] == "IGNORED"], "nested classes must forbid fields they do not declare"
+    unclassified = [f[1] for f in findings if f[0] == "declared" and _classified(NESTED[api], f[1]) is None]
+    assert not unclassified, f"{api}: declared nested fields with no honoured / no-op entry: {unclassified}"
+    free = [f[1] for f in findings if f[0] == "free" and _classified(FREE_FORM[api], f[1]) is None]
+    assert not free, f"{api}: nested objects taken as free-form JSON without a reason: {free}"
+    for path in {f[1] for f in findings if f[0] == "declared"}:
+        ref = _classified(NESTED[api], path)
+        file, name = (ref[0] if isinstance(ref, tuple) else ref).split("::")
+        assert name in defined_tests(file), f"{api}.{path}: no test {ref}"
+    for kind, path, *rest in findings:
+        if kind != "member refused":
+            continue
+        models, (key, value) = rest
+        for model in models:  # no class of the request takes this tag: it fails there
+            with pytest.raises(ValidationError) as e:
+                model.model_validate_json(json.dumps({key: value}))
+            assert any(err["loc"] == (key,) and err["type"] == "literal_error" for err in e.value.errors()), (
+                api, path, model, e.value.errors())
+    if api != "completions":  # the walk did reach into unions (its only nested field is stream_options)
+        assert "member refused" in {f[0] for f in findings}, api
+
+
 REFUSALS = [(api, field, value) for api, spec in APIS.items() for field, value in spec["refused"].items()]
 
 
@@ -292,6 +547,48 @@ async def test_a_field_the_api_does_not_define_is_400_naming_it(client, gateway,
     ("messages", {"output_config": {"effort": "low"}}, "output_config.effort"),
     ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {}, "strict": True}}},
      "output_config.format.strict"),
+    # fields a nested class does not declare, and declared ones refused for a value
+    ("chat", {"messages": [{"role": "user", "content": "hi", "frobnicate": 1}]}, "messages[0].frobnicate"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA==", "detail": "low"}}]}]},
+     "messages[0].content[0].image_url.detail"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0]"),
+    ("chat", {"messages": [*HELLO, {"role": "assistant", "content": None, "refusal": "I can't"}]},
+     "messages[1].refusal"),
+    ("chat", {"messages": [*HELLO, {"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]}]},
+     "messages[1].annotations"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "x": 1}}]}, "tools[0].function.x"),
+    ("chat", {"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "f", "strict": True}}},
+     "tool_choice.function.strict"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+     "response_format.json_schema.x"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0]"),
+    ("responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AA==", "detail": "high"}]}]},
+     "input[0].content[0].detail"),
+    ("responses", {"input": [{"role": "assistant", "content": [
+        {"type": "output_text", "text": "x", "annotations": [{"type": "url_citation"}]}]}]},
+     "input[0].content[0].annotations"),
+    ("responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                              "caller": {"type": "program", "caller_id": "p"}}]}, "input[0].caller"),
+    ("responses", {"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools[0].defer_loading"),
+    ("responses", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("responses", {"text": {"format": {"type": "text", "name": "a"}}}, "text.format.name"),
+    ("messages", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "citations": [{"type": "char_location"}]}]}]}, "messages.0.content.0.citations"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+     "messages.0.content.0"),
+    ("messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}, "input_examples": [{"a": 1}]}]},
+     "tools.0.input_examples"),
+    ("messages", {"tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                  "tool_choice": {"type": "auto", "name": "f"}}, "tool_choice.name"),
+    ("messages", {"metadata": {"user_id": "u", "team": "a"}}, "metadata.team"),
 ])
 async def test_refused_nested_fields_are_400_naming_their_path(client, gateway, api, body, field):
     spec = APIS[api]
@@ -366,6 +663,120 @@ async def test_anthropic_no_op_fields_change_nothing(client, gateway, workers, s
     await sdk.close()
 
 
+async def test_nested_no_op_fields_change_nothing(client, gateway, workers, script):
+    """Cache breakpoints on parts and blocks, and a JSON schema's label, description and strictness,
+    change neither the prompt nor the sampling."""
+    script()
+    point = {"mode": "explicit", "ttl": "30m"}
+    ephemeral = {"type": "ephemeral", "ttl": "1h"}
+    schema = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    labelled = {"type": "json_schema", "json_schema": {"schema": SCHEMA, "name": "answer", "strict": True,
+                                                       "description": "the answer"}}
+    chat = {**CHAT["body"](gateway.model), "response_format": schema}
+    await same_run(client, workers, CHAT["path"], chat, {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello", "prompt_cache_breakpoint": point}]}],
+        "prediction": {"type": "content", "content": [{"type": "text", "text": "Hi", "prompt_cache_breakpoint": point}]},
+        "response_format": labelled}, lambda b: b["choices"][0]["message"]["content"])
+    fmt = {"type": "json_schema", "schema": SCHEMA}
+    responses = {**RESPONSES["body"](gateway.model), "input": [{"role": "user", "content": "Say hello"}],
+                 "text": {"format": fmt}}
+    await same_run(client, workers, RESPONSES["path"], responses, {
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say hello",
+                                                "prompt_cache_breakpoint": point}]}],
+        "text": {"format": {**fmt, "name": "answer", "strict": True, "description": "the answer"}}},
+        lambda b: b["output"][0]["content"][0]["text"])
+    tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
+    messages = {**MESSAGES["body"](gateway.model), "system": [{"type": "text", "text": "Be brief."}], "tools": [tool],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello"}]}]}
+    await same_run(client, workers, MESSAGES["path"], messages, {
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": ephemeral}],
+        "tools": [{**tool, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hello", "cache_control": ephemeral}]}]},
+        lambda b: b["content"][0]["text"])
+
+
+async def test_strict_tools_not_forced_constrain_the_calls_on_every_api(client, gateway, workers, script):
+    """A strict tool under tool_choice "auto" (or none given) makes the worker constrain each call the
+    model starts (free text otherwise); no strict tool, or tool_choice "none", leaves the output free;
+    with a response format the format applies (its output holds no call)."""
+    script(text=CALL.format("Paris"))
+    strict = lambda tool, on: {**tool, "function": {**tool["function"], "strict": on}}  # noqa: E731
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
+    anthropic_tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
+
+    async def spec_of(path, body):
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return workers.prefill_requests[-1].sampling.structured
+
+    def constrains_calls(spec) -> bool:
+        return spec is not None and "open[lazy]" in spec["lark"] and "get_weather" in spec["lark"]
+
+    chat = CHAT["body"](gateway.model)
+    for extra, want in (({"tools": [strict(chat_tool, True)]}, True),
+                        ({"tools": [strict(chat_tool, True)], "tool_choice": "auto"}, True),
+                        ({"tools": [strict(chat_tool, False)]}, False), ({"tools": [chat_tool]}, False),
+                        ({"tools": [strict(chat_tool, True)], "tool_choice": "none"}, False)):
+        assert constrains_calls(await spec_of(CHAT["path"], {**chat, **extra})) is want, extra
+    spec = await spec_of(CHAT["path"], {**chat, "tools": [strict(chat_tool, True)],
+                                        "response_format": {"type": "json_object"}})
+    assert spec == {"type": "json_object"}
+    messages = MESSAGES["body"](gateway.model)
+    for extra, want in (({"tools": [{**anthropic_tool, "strict": True}]}, True),
+                        ({"tools": [{**anthropic_tool, "strict": True}], "tool_choice": {"type": "auto"}}, True),
+                        ({"tools": [anthropic_tool]}, False),
+                        ({"tools": [{**anthropic_tool, "strict": True}], "tool_choice": {"type": "none"}}, False)):
+        assert constrains_calls(await spec_of(MESSAGES["path"], {**messages, **extra})) is want, extra
+    # the calls are parsed as ever (the official client)
+    sdk = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    r = await sdk.chat.completions.create(model=gateway.model, messages=HELLO, tools=[strict(chat_tool, True)])
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"city": "Paris"}]
+    await sdk.close()
+
+
+async def test_earlier_outputs_sent_back_as_input_are_taken(gateway, workers, script):
+    """What each official client returns, sent back as the next turn's input as its docs show
+    (``message.model_dump()``, Responses' output items, Anthropic's content blocks), with the null or
+    empty fields those objects carry, is taken: each turn's text and calls reach the template."""
+    script(text="Checking. " + CALL.format("Paris"))
+    oai = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
+    first = await oai.chat.completions.create(model=gateway.model, messages=HELLO, tools=[chat_tool])
+    message = first.choices[0].message
+    sent = message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(sent)  # nulls the next turn carries
+    await oai.chat.completions.create(model=gateway.model, tools=[chat_tool], messages=[
+        *HELLO, sent, {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                       "content": [{"type": "text", "text": "sunny"}]}])
+    got = workers.tokenizer_requests[-1].messages
+    assert got[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert got[2]["content"] == "sunny"
+
+    first = await oai.responses.create(model=gateway.model, input="Weather?", tools=[WEATHER], store=False)
+    items = [o.model_dump(exclude_unset=True) for o in first.output]
+    assert [o["type"] for o in items] == ["message", "function_call"]
+    assert items[0]["content"][0]["annotations"] == [] and items[0]["content"][0]["logprobs"] == []
+    call = first.output[1]
+    await oai.responses.create(model=gateway.model, tools=[WEATHER], store=False, input=[
+        {"role": "user", "content": "Weather?"}, *items,
+        {"type": "function_call_output", "call_id": call.call_id, "output": [{"type": "input_text", "text": "sunny"}]}])
+    got = workers.tokenizer_requests[-1].messages
+    assert "Checking." in json.dumps(got) and got[-1]["content"] == "sunny"
+    await oai.close()
+
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
+    first = await claude.messages.create(model=gateway.model, max_tokens=50, messages=HELLO, tools=[tool])
+    use = [b for b in first.content if b.type == "tool_use"][0]
+    await claude.messages.create(model=gateway.model, max_tokens=50, tools=[tool], messages=[
+        *HELLO, {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": [{"type": "text", "text": "sunny"}]}]}])
+    got = workers.tokenizer_requests[-1].messages
+    assert got[-1]["content"] == "sunny" and "Checking." in json.dumps(got)
+    await claude.close()
+
+
 # --- effects not shown elsewhere ------------------------------------------------------------------
 
 
@@ -418,9 +829,14 @@ async def test_responses_text_format_forced_calls_and_echoed_fields(client, gate
         forced.append(spec["lark"])
     one, many = forced
     assert one.startswith("start: call\n") and many.startswith('start: call ("\\n" call)*')
-    r = await client.post("/v1/responses", json={"model": gateway.model, "input": "hi", "store": False,
-                                                 "tools": [WEATHER], "tool_choice": "auto"})
-    assert r.status_code == 200 and workers.prefill_requests[-1].sampling.structured is None
+    # not forced: a tool is strict unless it says false (OpenAI's default), and then each call the model
+    # starts is constrained; with none strict the output is free
+    for tool, strict in ((WEATHER, True), ({**WEATHER, "strict": False}, False)):
+        r = await client.post("/v1/responses", json={"model": gateway.model, "input": "hi", "store": False,
+                                                     "tools": [tool], "tool_choice": "auto"})
+        assert r.status_code == 200, r.text
+        spec = workers.prefill_requests[-1].sampling.structured
+        assert (spec is not None and "open[lazy]" in spec["lark"] and "get_weather" in spec["lark"]) is strict
 
 
 async def test_ignore_eos_reaches_the_workers_on_responses_and_messages(client, gateway, workers, script):

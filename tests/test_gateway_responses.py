@@ -344,8 +344,8 @@ MALFORMED = [
     ("top_p zero", lambda m: body(m, top_p=0), 400, "top_p"),
     ("max_output_tokens zero", lambda m: body(m, max_output_tokens=0), 400, "max_output_tokens"),
     ("stream a string", lambda m: body(m, stream="yes"), 400, "stream"),
-    ("web_search tool", lambda m: body(m, tools=[{"type": "web_search"}]), 400, "tools[0]"),
-    ("function tool without a name", lambda m: body(m, tools=[{"type": "function"}]), 400, "tools[0]"),
+    ("web_search tool", lambda m: body(m, tools=[{"type": "web_search"}]), 400, "tools[0].type"),
+    ("function tool without a name", lambda m: body(m, tools=[{"type": "function"}]), 400, "tools[0].name"),
     ("tool_choice required without tools", lambda m: body(m, tool_choice="required"), 400, "tool_choice"),
     ("named tool_choice of an unknown tool", lambda m: body(m, tools=[WEATHER], tool_choice={
         "type": "function", "name": "nope"}), 400, "tool_choice"),

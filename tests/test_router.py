@@ -191,6 +191,26 @@ def test_decode_takes_no_more_than_a_batch_and_its_queue_bound():
     assert picks == ["d"] * 6 + [None] * 2  # 62 in its report + 6 booked = 64 + 4
 
 
+def test_a_decode_worker_batch_is_the_max_num_seqs_it_reports():
+    """A worker started with ``--max-num-seqs 4`` is full at 4 running + ``decode_max_waiting``
+    queued, for the router and for admission, whatever the gateway's default batch (64)."""
+    _, router, _ = setup(prefill("p"), decode("d", kv_tokens_capacity=10**6, active_requests=4, waiting_requests=3,
+                                              max_num_seqs=4))
+    router.config.decode_max_seqs, router.config.decode_max_waiting = 64, 4
+    shape = PromptShape(num_tokens=10, max_tokens=8)
+    assert [router.choose_decode(shape, f"r{i}", until=2e9) for i in range(2)] == ["d", None]  # 4 + 3 + 1 = 4 + 4
+    admission = Admission(AdmissionConfig())
+    for said, full in ((4, True), (0, False)):  # 0: an older worker that does not say (64 + 4)
+        _, router, _ = setup(prefill("p"), decode("d", kv_tokens_capacity=10**6, active_requests=4,
+                                                  waiting_requests=4, max_num_seqs=said))
+        router.config.decode_max_waiting = 4
+        if full:
+            with pytest.raises(Exception, match="every decode worker is full"):
+                admission.check_decode(router.plan("r", shape))
+        else:
+            admission.check_decode(router.plan("r", shape))
+
+
 def test_admission_refuses_up_front_when_no_decode_worker_has_room():
     _, router, _ = setup(prefill("p"), decode("d", kv_tokens_used=900, kv_tokens_capacity=1000))
     admission = Admission(AdmissionConfig())

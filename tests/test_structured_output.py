@@ -20,7 +20,7 @@ from deepinfer.engine.sampler import sample
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import (GrammarCompiler, StructuredOutputError, allocate_bitmask, apply_bitmask,
                                          compile_grammar, spec_key)
-from deepinfer.gateway.tools import ToolCallParser, tool_call_grammar
+from deepinfer.gateway.tools import ToolCallParser, strict_tool_call_grammar, tool_call_grammar
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from deepinfer.protocol import PrefillRequest, SamplingParams, pack, unpack
 
@@ -258,6 +258,28 @@ def test_tool_call_grammar_accepts_the_parsers_format_only(compiler, tok):
         assert (compiler.matcher(spec).validate(ids + [EOS]) == len(ids) + 1) is ok, text
         if ok:
             assert [c.name for c in ToolCallParser().feed(text)[1]] == [json.loads(text.split("\n")[1])["name"]]
+
+
+def test_strict_tools_not_forced_leave_text_free_and_constrain_each_call_started(compiler, tok):
+    """tool_choice "auto" with a strict tool: any text, with or without calls; once ``<tool_call>`` is
+    written the call is one of the tools', a strict tool's arguments an instance of its schema, a
+    loose one's any object; text may follow a call."""
+    city = {"type": "object", "properties": {"city": STR}, "required": ["city"]}
+    spec = {"type": "grammar", "lark": strict_tool_call_grammar([("get_weather", city, True), ("loose", None, False)])}
+
+    def call(name, args):
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+    paris = call("get_weather", {"city": "Paris"})
+    cases = [("Hello, no call.", True), ("", True), ("a <tool_ call> b", True), (f"Checking. {paris} Done.", True),
+             (paris + "\n" + call("get_weather", {"city": "Oslo"}), True), (call("loose", {"any": [1]}), True),
+             ("x " + call("get_weather", {"town": "Paris"}), False), ("x " + call("get_weather", {"city": 3}), False),
+             (call("nope", {}), False), ("<tool_call>oops", False)]
+    for text, ok in cases:
+        ids = tok.encode(text)
+        assert (compiler.matcher(spec).validate(ids + [EOS]) == len(ids) + 1) is ok, text
+    calls = ToolCallParser().feed(f"Checking. {paris} Done.")[1]
+    assert [(c.name, c.arguments_obj) for c in calls] == [("get_weather", {"city": "Paris"})]
 
 
 def test_tool_parameters_are_the_root_of_their_own_references_and_always_objects(compiler, tok):

@@ -207,6 +207,7 @@ class VllmEngine:
             loaded = get_kv_transfer_group().blocks_loaded * self.config.block_size
         return dict(active_requests=len(sched.running), waiting_requests=len(sched.waiting),
                     kv_tokens_used=int(sched.kv_cache_manager.usage * capacity), kv_tokens_capacity=capacity,
+                    max_num_seqs=sched.max_num_running_reqs,
                     steps=self.num_steps, block_size=self.config.block_size, engine=self.engine_kind,
                     fingerprint=self.fingerprint, kv_block_bytes=self.block_bytes,
                     finished_requests=self.num_finished_requests,

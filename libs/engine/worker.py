@@ -95,7 +95,7 @@ class EngineWorker(Service):
                           prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
                           swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
                           swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len,
-                          aborted_requests=self.num_aborted)
+                          aborted_requests=self.num_aborted, max_num_seqs=e.config.max_num_seqs)
 
     async def metric_families(self) -> list:
         """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""

@@ -373,6 +373,9 @@ class LoadReport:
     max_model_len: int = 0
     # since start: requests this worker stopped on an abort (client gone, stop string, moved away)
     aborted_requests: int = 0
+    # sequences the engine runs at once (``--max-num-seqs``; 0 = not said): a decode worker with
+    # that many running queues the rest, which the router and admission count against it
+    max_num_seqs: int = 0
 
 
 @message

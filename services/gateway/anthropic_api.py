@@ -3,7 +3,8 @@
 Request: ``model`` (must be the served model, else 404), ``max_tokens`` (required, >= 1),
 ``messages`` (user / assistant; content a string or blocks: ``text``, ``tool_use`` in assistant
 turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``stop_sequences``,
-``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema) with
+``temperature`` (0-1), ``top_p``, ``top_k``, ``tools`` (name, description, input_schema, ``strict``:
+under ``auto`` each call the model starts is constrained to the input_schema) with
 ``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force calls: the output is constrained
 to calls of those tools with ``input_schema``-valid inputs, ``disable_parallel_tool_use`` = one;
 ``gateway.structured``; with ``auto`` and ``disable_parallel_tool_use`` the output ends at its first
@@ -15,7 +16,8 @@ cache caches every prompt by itself), and the ``anthropic-version``, ``x-api-key
 ``anthropic-workspace-id`` and ``anthropic-user-profile-id`` headers. Refused with a 400 naming
 the field (``gateway.unsupported``): ``thinking`` (unless ``{"type": "disabled"}``), ``speed``
 (unless "standard"), ``output_config.effort``, ``container``, ``diagnostics``, ``inference_geo``,
-and any field the request does not declare (docs/api_fields.md). Extensions, as on chat
+and any field the request does not declare, nested ones included (block ``citations`` unless [],
+``toolset_name``, tool ``input_examples``...: docs/api_fields.md). Extensions, as on chat
 completions: ``ignore_eos`` (vLLM's), ``traffic_class`` / ``cache_salt`` body fields and the
 ``X-Traffic-Class`` header.
 
@@ -60,14 +62,14 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator, model_validator
 
 from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
 from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import ContextLengthExceeded, OpenAIError, bad_request
 from deepinfer.gateway.images import ANTHROPIC
-from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
+from deepinfer.gateway.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
 from deepinfer.gateway.unsupported import refused
 from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
 from deepinfer.gateway.limits import BodyTooLarge
@@ -84,13 +86,27 @@ TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a nested field this module does not declare is a 400 naming it, as at the top level
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class CacheControl(_Strict):
+    """A cache breakpoint: honoured as a no-op, the prefix cache caches every prompt by itself."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+def _empty(value) -> bool:
+    """A list field sent back empty: the field left out."""
+    return value == []
 
 
 class TextBlock(_Strict):
     type: Literal["text"]
     text: str
-    cache_control: dict | None = None  # accepted; the prefix cache is automatic
+    cache_control: CacheControl | None = None
+    citations: refused("citations are not supported (there are no documents to cite); only []", takes=_empty) = None
 
 
 class ToolUseBlock(_Strict):
@@ -98,6 +114,11 @@ class ToolUseBlock(_Strict):
     id: str
     name: str
     input: dict
+    cache_control: CacheControl | None = None
+    # a call the model made itself ("direct") is the only kind there is here
+    caller: refused("only calls made by the model itself ({'type': 'direct'})",
+                    takes=lambda v: v == {"type": "direct"}) = None
+    toolset_name: refused("toolsets are not supported") = None
 
 
 class ToolResultBlock(_Strict):
@@ -105,6 +126,8 @@ class ToolResultBlock(_Strict):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
+    cache_control: CacheControl | None = None
+    toolset_name: refused("toolsets are not supported") = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -114,27 +137,24 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
-class ImageSource(_Strict):
-    type: Literal["base64", "url"]
-    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None  # base64 (Anthropic's set)
-    data: str | None = None
-    url: str | None = None
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]  # Anthropic's set
+    data: str
 
-    @model_validator(mode="after")
-    def _complete(self):
-        if self.type == "base64" and (self.data is None or not self.media_type):
-            raise ValueError("a base64 image source needs media_type and data")
-        if self.type == "url" and not self.url:
-            raise ValueError("a url image source needs a url")
-        return self
+
+class URLSource(_Strict):
+    type: Literal["url"]
+    url: str
 
 
 class ImageBlock(_Strict):
     """An image (vision-language models): base64 data, or a URL the gateway fetches (``gateway.images``)."""
 
     type: Literal["image"]
-    source: ImageSource
-    cache_control: dict | None = None
+    source: Annotated[Union[Base64Source, URLSource], Discriminator("type")]
+    cache_control: CacheControl | None = None
+    transformations: refused("image transformations are not supported") = None
 
     def url(self) -> str:
         s = self.source
@@ -153,40 +173,54 @@ class Tool(_Strict):
     name: str
     description: str | None = None
     input_schema: dict
-    type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
-
-    @model_validator(mode="after")
-    def _custom_only(self):
-        if self.type not in (None, "custom"):
-            raise ValueError(f"tool type {self.type!r} is not supported; only custom tools (name, input_schema)")
-        return self
+    type: Literal["custom"] | None = None  # server tools (web_search_...) are refused
+    strict: bool | None = None  # true: calls are constrained to ``input_schema`` also under tool_choice "auto"
+    cache_control: CacheControl | None = None
+    allowed_callers: refused("only the model calls tools (['direct'])", takes=lambda v: v == ["direct"]) = None
+    defer_loading: refused("deferred tool loading (tool search) is not supported; only false",
+                           takes=lambda v: v is False) = None
+    eager_input_streaming: refused("a call's input is streamed whole once the call is parsed; only false",
+                                   takes=lambda v: v is False) = None
+    input_examples: refused("tool input examples are not supported; only []", takes=_empty) = None
 
 
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    name: str | None = None  # type "tool"
+    disable_parallel_tool_use: bool | None = None  # not with type "none"
+
+    @field_validator("name")
+    @classmethod
+    def _name_with_tool(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("type") != "tool":
+            raise ValueError("only taken with type 'tool'")
+        return value
+
+    @field_validator("disable_parallel_tool_use")
+    @classmethod
+    def _not_with_none(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("type") == "none":
+            raise ValueError("not taken with type 'none'")
+        return value
+
+
+class Metadata(_Strict):
+    user_id: str | None = None  # an end-user id: honoured as a no-op (one tenant)
 
 
 class OutputFormat(_Strict):
     """Structured outputs: the text is an instance of ``schema`` (a JSON schema)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["json_schema"]
     schema_: dict = Field(alias="schema")
 
 
 class OutputConfig(_Strict):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
     format: OutputFormat | None = None
     effort: refused("effort levels are not supported (the model gives no reasoning)") = None
 
 
 class MessagesRequest(_Strict):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
     model: str
     messages: list[InputMessage]
     max_tokens: int
@@ -200,9 +234,9 @@ class MessagesRequest(_Strict):
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
     # honoured as no-ops (the module docstring says why)
-    metadata: dict | None = None
+    metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    cache_control: dict | None = None
+    cache_control: CacheControl | None = None
     # refused unless the value asks for what the server does anyway
     thinking: refused("extended thinking is not supported; only type 'disabled'",
                       takes=lambda v: v == {"type": "disabled"}) = None
@@ -224,8 +258,8 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
 
 
-_FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, ImageSource,
-                      Tool, ToolChoice, OutputConfig) | {"schema"}
+_FIELDS = field_names(MessagesRequest, InputMessage, TextBlock, ToolUseBlock, ToolResultBlock, ImageBlock, Base64Source,
+                      URLSource, Tool, ToolChoice, OutputConfig, OutputFormat, CacheControl, Metadata) | {"schema"}
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -316,7 +350,7 @@ def validate(req: MessagesRequest | CountTokensRequest, gw: Gateway) -> None:
 
 def structured_spec(req: MessagesRequest) -> dict | None:
     """``SamplingParams.structured`` for ``output_config.format`` (the schema, as chat's
-    ``response_format``) or a forcing ``tool_choice`` ("any" / "tool"), else None. Raises 400 for a
+    ``response_format``), a forcing ``tool_choice`` ("any" / "tool") or strict tools under "auto", else None. Raises 400 for a
     format with tools in use (param ``output_config``), a schema or an input_schema llguidance cannot
     enforce (``output_config.format``, ``tools``)."""
     fmt = req.output_config.format if req.output_config is not None else None
@@ -326,8 +360,10 @@ def structured_spec(req: MessagesRequest) -> dict | None:
                               "'none'): the output is constrained to the schema, so no tool could be called",
                               param="output_config")
         param = "output_config.format"
-        return checked(response_format_spec("json_schema", {"schema": fmt.schema_}, param), param)
+        return checked(response_format_spec("json_schema", fmt.schema_, param), param)
     choice = req.tool_choice
+    if tools_enabled(req) and (choice is None or choice.type == "auto"):
+        return strict_tools_spec([(t.name, t.input_schema, bool(t.strict)) for t in req.tools])
     if not req.tools or choice is None or choice.type not in ("any", "tool"):
         return None
     tools = [(t.name, t.input_schema) for t in req.tools]
@@ -434,7 +470,7 @@ async def _guarded(coro) -> Response:
 
 async def count_message_tokens(request: Request, gw: Gateway) -> Response:
     """``{"input_tokens": n}``: the prompt's tokens as /v1/messages would render it (no generation)."""
-    req = parse_body(CountTokensRequest, await request.body(), _FIELDS)
+    req = parse_body(CountTokensRequest, await request.body(), _FIELDS, dotted=True)
     validate(req, gw)
     check_workers(gw.registry, gw.required_roles)
     ids, _, _ = await encode_messages_images(gw, uuid.uuid4().hex, template_messages(req), template_tools(req),
@@ -445,7 +481,7 @@ async def count_message_tokens(request: Request, gw: Gateway) -> Response:
 async def create_message(request: Request, gw: Gateway) -> Response:
     """Run one Messages request: JSON ``message`` or an SSE stream. Raises ``OpenAIError`` (rendered
     by ``_guarded``) for anything detectable before the first byte."""
-    req = parse_body(MessagesRequest, await request.body(), _FIELDS)
+    req = parse_body(MessagesRequest, await request.body(), _FIELDS, dotted=True)
     validate(req, gw)
     structured = structured_spec(req)
     request_id = uuid.uuid4().hex

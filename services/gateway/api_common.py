@@ -13,6 +13,8 @@ Errors are ``OpenAIError`` (status, message, type, code); each API renders them 
 
 from __future__ import annotations
 
+import json
+
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -36,13 +38,18 @@ log = get_logger(__name__)
 # --- the request ------------------------------------------------------------------
 
 
-def parse_body(model: type[BaseModel], body: bytes, field_names: set[str]):
-    """``model`` parsed strictly from JSON bytes. Raises a 400 naming the deepest failing field."""
+def parse_body(model: type[BaseModel], body: bytes, field_names: set[str], dotted: bool = False):
+    """``model`` parsed strictly from JSON bytes. Raises a 400 naming the deepest failing field as
+    the body has it (``dotted``: ``messages.0.content``, Anthropic's form of ``messages[0].content``)."""
     try:
         return model.model_validate_json(body or b"")
     except ValidationError as e:
         errors = [_friendlier(err) for err in e.errors(include_url=False)]
-        raise validation_error(errors, field_names) from None
+        try:
+            sent = json.loads(body)
+        except ValueError:
+            raise validation_error(errors, field_names, dotted=dotted) from None
+        raise validation_error(errors, field_names, sent, dotted) from None
 
 
 def _friendlier(err: dict) -> dict:

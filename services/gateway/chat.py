@@ -34,18 +34,17 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.api_common import encode_messages_images, output_budget
+from deepinfer.gateway.api_common import encode_messages_images, output_budget, parse_body
 from deepinfer.gateway.config import ModelInfo
-from deepinfer.gateway.errors import OpenAIError, bad_request, error_body, validation_error
+from deepinfer.gateway.errors import OpenAIError, bad_request, error_body
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks,
                                         failure, http_error, new_choices, open_choices, raise_if_failed,
                                         usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
-from deepinfer.gateway.structured import openai_spec, tool_call_spec
+from deepinfer.gateway.structured import openai_spec, strict_tools_spec, tool_call_spec
 from deepinfer.gateway.tools import ToolCallParser
 from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger
@@ -149,10 +148,7 @@ def request_traffic_class(req: oai.SamplingRequest, header: str | None, allowed:
 
 
 def parse_request(body: bytes) -> oai.ChatCompletionRequest:
-    try:
-        return oai.ChatCompletionRequest.model_validate_json(body or b"")
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False), _FIELD_NAMES) from None
+    return parse_body(oai.ChatCompletionRequest, body, _FIELD_NAMES)
 
 
 def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
@@ -174,18 +170,19 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
 
 def structured_spec(req: oai.ChatCompletionRequest) -> dict | None:
     """``SamplingParams.structured`` for the request (``gateway.structured``): ``response_format``,
-    vLLM's guided fields, or, with ``tool_choice`` "required" or a named function, a grammar of
+    vLLM's guided fields, strict tools under "auto", or, with ``tool_choice`` "required" or a named
+    function, a grammar of
     calls to the declared tools. Raises a 400 naming the param for a bad or unsupported spec."""
     choice, forced = req.tool_choice, None
     if req.tools and (choice == "required" or isinstance(choice, oai.NamedToolChoice)):
-        name = None
-        if isinstance(choice, oai.NamedToolChoice):
-            name = choice.function.get("name")
-            if not isinstance(name, str):
-                raise bad_request("tool_choice.function needs a 'name'", param="tool_choice")
+        name = choice.function.name if isinstance(choice, oai.NamedToolChoice) else None
         tools = [(t.function.name, t.function.parameters) for t in req.tools]
         forced = tool_call_spec(tools, name, parallel=req.parallel_tool_calls is not False)
-    return openai_spec(req, forced)
+    spec = openai_spec(req, forced)
+    if spec is None and req.tools and choice in (None, "auto"):
+        spec = strict_tools_spec([(t.function.name, t.function.parameters, bool(t.function.strict))
+                                  for t in req.tools])
+    return spec
 
 
 def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:

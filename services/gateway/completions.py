@@ -36,14 +36,13 @@ from contextlib import aclosing
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.chat import (TRAFFIC_CLASS_HEADER, request_traffic_class, sampling_params,
                                     validate_sampling)
-from deepinfer.gateway.errors import (OpenAIError, bad_request, context_length_exceeded, error_body, internal,
-                                     validation_error)
+from deepinfer.gateway.api_common import parse_body
+from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, internal
 from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
                                         new_choices, open_prompts, raise_if_failed, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
@@ -59,10 +58,7 @@ _FIELD_NAMES = oai.field_names()
 
 
 async def create_completion(request: Request, gw: Gateway) -> Response:
-    try:
-        req = oai.CompletionRequest.model_validate_json(await request.body() or b"")
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False), _FIELD_NAMES) from None
+    req = parse_body(oai.CompletionRequest, await request.body(), _FIELD_NAMES)
     validate(req, gw)
     gen_req = generation_request(req)
     structured = openai_spec(req)

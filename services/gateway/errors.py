@@ -122,36 +122,60 @@ def mesh_errors(role: str, name: str, timeout: float, param: str | None = None, 
         raise internal(f"bad reply from the {name}: {e}") from None
 
 
-def validation_error(errors: list[dict], field_names: set[str]) -> OpenAIError:
-    """400 for the most specific pydantic error, ``param`` naming the field (``messages[0].content``);
-    a field the model does not declare (``extra="forbid"``) is named as the client sent it."""
+_NO_BODY = object()
+
+
+def validation_error(errors: list[dict], field_names: set[str], body=_NO_BODY, dotted: bool = False) -> OpenAIError:
+    """400 for the most specific pydantic error, ``param`` naming the field as the client sent it
+    (``messages[0].content``; ``dotted``: ``messages.0.content``, Anthropic's form). ``body`` (the
+    parsed JSON) tells the client's keys from the union-member tags pydantic puts in an error's
+    location; without it, only names in ``field_names`` are kept. A field the model does not declare
+    (``extra="forbid"``) is named as sent."""
     if not errors:
         return bad_request("invalid request body")
     # NOTE: a union field fails once per member; the deepest location is the member that came closest.
     err = max(errors, key=lambda e: len(e.get("loc", ())))
     if err.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-    if err.get("type") == "extra_forbidden":  # a field the model does not declare: name it as sent
-        loc = err.get("loc", ())
-        where = _param_from_loc(loc[:-1], field_names)
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") in ("extra_forbidden", "missing"):  # the last part is the field, sent or not
+        where = _param_from_loc(loc[:-1], field_names, body, dotted)
         param = f"{where}.{loc[-1]}" if where else str(loc[-1])
-        return bad_request(f"{param}: unknown parameter (not a field of this API)", param=param)
-    param = _param_from_loc(err.get("loc", ()), field_names)
+        if err["type"] == "extra_forbidden":
+            return bad_request(f"{param}: unknown parameter (not a field of this API)", param=param)
+        return bad_request(f"{param}: {err.get('msg')}", param=param)
+    param = _param_from_loc(loc, field_names, body, dotted)
     if not param:
         return bad_request(f"request body must be a JSON object: {err.get('msg')}")
     return bad_request(f"{param}: {err.get('msg')}", param=param)
 
 
-def _param_from_loc(loc, field_names: set[str]) -> str | None:
-    # NOTE: pydantic puts union-member tags ("str", "list[TextPart]") and the
-    # FastAPI "body" prefix into ``loc``; keep only real field names and indices.
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in field_names:
+def _param_from_loc(loc: tuple, field_names: set[str], body, dotted: bool) -> str | None:
+    # NOTE: pydantic puts union-member tags ("str", "list[TextPart]", a discriminator's value such as
+    # "text") and the FastAPI "body" prefix into ``loc``; keep only the body's indices and the keys
+    # that are field names.
+    out, node = "", body
+    for i, part in enumerate(loc):
+        if body is _NO_BODY:
+            keep = isinstance(part, int) or part in field_names
+        else:
+            # a tag may equal a key of the object it tags ("text" of a text block): it is the key
+            # only if the rest of the location goes on from its value
+            nxt = loc[i + 1] if i + 1 < len(loc) else None
+            keep = _has(node, part) and (nxt is None or _has(node[part], nxt) or not _has(node, nxt))
+            if keep:
+                node = node[part]
+        if keep and isinstance(part, int):
+            out += f".{part}" if dotted else f"[{part}]"
+        elif keep and part in field_names:  # not a key of a free-form object (logit_bias' token ids)
             out += f".{part}" if out else part
     return out or None
+
+
+def _has(node, part) -> bool:
+    if isinstance(part, int):
+        return isinstance(node, list) and 0 <= part < len(node)
+    return isinstance(node, dict) and part in node
 
 
 def install_error_handlers(app: FastAPI, field_names: set[str]) -> None:

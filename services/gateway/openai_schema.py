@@ -1,8 +1,8 @@
 """OpenAI chat-completions wire shapes: the request model and the response builders.
 
 The request is parsed strictly from JSON (``"10"`` is not an int, ``1`` is not
-a bool). A top-level field the request does not declare is a 400 naming it (OpenAI answers an
-unknown argument so too), and a declared field for a feature this server lacks is refused unless
+a bool). A field the request does not declare, at the top level or nested, is a 400 naming it
+(OpenAI answers an unknown argument so too), and a declared field for a feature this server lacks is refused unless
 its value asks for what the server does anyway (``gateway.unsupported``; docs/api_fields.md lists
 every field: honoured, honoured as a no-op and why, refused). vLLM extensions:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
@@ -23,41 +23,40 @@ as vLLM takes it: ``guided_json``, ``guided_regex``, ``guided_choice``,
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from deepinfer.gateway.unsupported import (CACHE_OPTIONS, MODERATION, OBFUSCATION, REASONING, TIER, VERBOSITY,
-                                           implicit_cache, openai_tier, refused)
+from deepinfer.gateway.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
+                                           VERBOSITY, implicit_cache, openai_tier, refused)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a nested field this module does not declare is a 400 naming it, as at the top level
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+    prompt_cache_breakpoint: dict | None = None  # honoured as a no-op: every prompt's prefix is cached
 
 
 class ImageURL(_Strict):
     url: str
-    detail: str | None = None  # accepted, not used: the model's image processor fixes the resolution
+    detail: refused(IMAGE_DETAIL, takes=lambda v: v == "auto") = None
 
 
-class ContentPart(_Strict):
-    """A ``text`` part, or an ``image_url`` part (vision-language models; ``gateway.images``)."""
+class ImagePart(_Strict):
+    """An image (vision-language models; ``gateway.images``)."""
 
-    type: str
-    text: str | None = None
-    image_url: ImageURL | None = None
+    type: Literal["image_url"]
+    image_url: ImageURL
+    prompt_cache_breakpoint: dict | None = None
 
-    @model_validator(mode="after")
-    def _known(self):
-        if self.type == "image_url":
-            if self.image_url is None:
-                raise ValueError("an 'image_url' content part needs an 'image_url' object with a 'url'")
-            return self
-        if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' and 'image_url'")
-        if self.text is None:
-            raise ValueError("a 'text' content part needs a 'text' field")
-        return self
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Discriminator("type")]
 
 
 class FunctionCall(_Strict):
@@ -76,12 +75,34 @@ class ToolCallIn(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # tool messages; refused on the others (no chat template here renders it)
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    # what an earlier response's message carries (a client may send ``message.model_dump()`` back):
+    # null, or empty, is the field left out
+    refusal: refused("an assistant refusal cannot be sent back; send its text as content") = None
+    audio: refused("audio output is not supported") = None
+    function_call: refused("the deprecated function_call is not supported; use tool_calls") = None
+    annotations: refused("annotations (web search citations) are not supported; only []",
+                         takes=lambda v: v == []) = None
+
+    @field_validator("name")
+    @classmethod
+    def _tool_name_only(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("role") != "tool":
+            raise PydanticCustomError("unsupported", "participant names are not supported (the chat template has "
+                                                     "no place for them); only tool messages take a name")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_on_tool_messages(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return value
 
     @model_validator(mode="after")
-    def _tool_fields(self):
+    def _role_fields(self):
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
@@ -95,7 +116,7 @@ class ChatMessage(_Strict):
             text = [{"type": "image_url", "url": p.image_url.url} if p.type == "image_url"
                     else {"type": "text", "text": p.text} for p in self.content]
         elif isinstance(self.content, list):
-            text = "\n".join(p.text or "" for p in self.content)
+            text = "\n".join(p.text for p in self.content)
         else:
             text = self.content or ""
         # "developer" is OpenAI's new name for system instructions; templates know "system"
@@ -106,7 +127,7 @@ class ChatMessage(_Strict):
                                  for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
+        if self.name is not None:
             out["name"] = self.name
         return out
 
@@ -115,7 +136,7 @@ class FunctionSpec(_Strict):
     name: str
     description: str | None = None
     parameters: dict | None = None  # JSON Schema of the arguments
-    strict: bool | None = None
+    strict: bool | None = None  # true: calls are constrained to ``parameters`` also under tool_choice "auto"
 
 
 class ToolSpec(_Strict):
@@ -126,14 +147,29 @@ class ToolSpec(_Strict):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
+class FunctionName(_Strict):
+    name: str
+
+
 class NamedToolChoice(_Strict):
     type: Literal["function"]
-    function: dict
+    function: FunctionName
+
+
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: the output is an instance of ``schema``. ``name`` labels it;
+    ``description`` and ``strict`` change nothing here, since the grammar makes the output an
+    instance of the schema whatever they say."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -146,13 +182,11 @@ class Prediction(_Strict):
     output is the same with it or without, which is what this server gives (it is not used)."""
 
     type: Literal["content"]
-    content: str | list[ContentPart]
+    content: str | list[TextPart]
 
 
 class SamplingRequest(_Strict):
     """Fields every OpenAI generation endpoint shares (chat and legacy completions)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -245,10 +279,11 @@ class CompletionRequest(SamplingRequest):
 def field_names() -> set[str]:
     """Every field name of the request models (to name ``param`` in validation errors)."""
     names: set[str] = set()
-    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, StreamOptions, ToolCallIn,
-                  FunctionCall, ToolSpec, FunctionSpec, ResponseFormat, Prediction):
+    for model in (ChatCompletionRequest, CompletionRequest, ChatMessage, TextPart, ImagePart, ImageURL, StreamOptions,
+                  ToolCallIn, FunctionCall, ToolSpec, FunctionSpec, NamedToolChoice, FunctionName, ResponseFormat,
+                  JSONSchemaFormat, Prediction):
         names |= set(model.model_fields)
-    return names
+    return names | {"schema"}
 
 
 # --- responses -----------------------------------------------------------------

@@ -5,7 +5,9 @@ Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``outp
 ``gateway.images``; ``file_id`` is refused) or a plain string; ``function_call``;
 ``function_call_output``), ``instructions`` (a system message
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
-``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only) with ``tool_choice``
+``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only; ``strict`` unless false,
+OpenAI's default: under ``auto`` each call the model starts is constrained to the tool's
+``parameters``) with ``tool_choice``
 (``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
 calls of those tools, ``parallel_tool_calls: false`` = one; with ``auto`` and
 ``parallel_tool_calls: false`` the output ends at its first call and the worker is stopped there),
@@ -21,7 +23,9 @@ outputs). Refused with a 400 naming the field unless the value asks for what the
 (no obfuscation), ``text.verbosity``, ``prompt_cache_options`` (implicit), ``image``
 (compression "auto" / "disabled"), ``context_management`` ([]), ``include`` of logprobs or input
 image URLs, ``conversation``, ``prompt``, ``moderation``, ``background_options``,
-``access_programs``; an undeclared field is a 400 too (docs/api_fields.md). Extensions:
+``access_programs``; an undeclared field is a 400 too, nested ones included, and so are fields of
+items an earlier output carries unless empty (``output_text.annotations`` / ``logprobs``) or
+naming what is done anyway (``caller: {"type": "direct"}``) (docs/api_fields.md). Extensions:
 ``ignore_eos`` (vLLM's), ``traffic_class`` / ``cache_salt`` and the ``X-Traffic-Class`` header, as
 on chat completions.
 
@@ -71,7 +75,8 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages_images, field_names,
                                           log_finished, output_budget, parse_body, run, run_to_end)
@@ -81,9 +86,10 @@ from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open
 from deepinfer.gateway.images import RESPONSES
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
-from deepinfer.gateway.structured import checked, response_format_spec, tool_call_spec
-from deepinfer.gateway.unsupported import (CACHE_OPTIONS, MODERATION, OBFUSCATION, REASONING, TIER, VERBOSITY,
-                                           implicit_cache, no_obfuscation, no_reasoning, openai_tier, refused)
+from deepinfer.gateway.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
+from deepinfer.gateway.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
+                                           VERBOSITY, implicit_cache, no_obfuscation, no_reasoning, openai_tier,
+                                           refused)
 from deepinfer.protocol import SamplingParams
 from deepinfer.telemetry import get_logger
 
@@ -96,17 +102,32 @@ TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # a nested field this module does not declare is a 400 naming it, as at the top level
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _empty(value) -> bool:
+    """A list field sent back empty (as this server's own output items carry it): the field left out."""
+    return value == []
+
+
+DIRECT_CALLER = "only calls made by the model itself ({'type': 'direct'})"
+NO_NAMESPACES = "tool namespaces are not supported"
 
 
 class InputText(_Strict):
     type: Literal["input_text"]
     text: str
+    prompt_cache_breakpoint: dict | None = None  # honoured as a no-op: every prompt's prefix is cached
 
 
 class OutputText(_Strict):
+    """Text of an earlier output (``response.output`` sent back as input): only its text is read."""
+
     type: Literal["output_text"]
     text: str
+    annotations: refused("annotations (citations) are not supported; only []", takes=_empty) = None
+    logprobs: refused("logprobs are not supported on this API; only []", takes=_empty) = None
 
 
 class InputImage(_Strict):
@@ -116,7 +137,8 @@ class InputImage(_Strict):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
-    detail: str | None = None  # accepted, not used: the model's image processor fixes the resolution
+    detail: refused(IMAGE_DETAIL, takes=lambda v: v == "auto") = None
+    prompt_cache_breakpoint: dict | None = None
 
     @model_validator(mode="after")
     def _url(self):
@@ -135,6 +157,7 @@ class MessageItem(_Strict):
     content: str | list[ContentPart]
     id: str | None = None
     status: str | None = None
+    phase: refused("message phases are not supported") = None
 
     def template_content(self, param: str) -> str | list[dict]:
         """The content for the chat template: text, or with images the parts in order
@@ -156,6 +179,10 @@ class FunctionCallItem(_Strict):
     arguments: str  # a JSON object, as a string
     id: str | None = None
     status: str | None = None
+    async_: refused("asynchronous function calls are not supported; only false",
+                    takes=lambda v: v is False) = Field(default=None, alias="async")
+    caller: refused(DIRECT_CALLER, takes=lambda v: v == {"type": "direct"}) = None
+    namespace: refused(NO_NAMESPACES) = None
 
 
 class FunctionCallOutputItem(_Strict):
@@ -164,6 +191,9 @@ class FunctionCallOutputItem(_Strict):
     output: str | list[InputText]
     id: str | None = None
     status: str | None = None
+    caller: refused(DIRECT_CALLER, takes=lambda v: v == {"type": "direct"}) = None
+    name: refused("a function output is matched to its call by call_id; name is not taken") = None
+    namespace: refused(NO_NAMESPACES) = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "\n".join(p.text for p in self.output)
@@ -185,19 +215,17 @@ _ITEMS = TypeAdapter(list[Item])
 
 
 class FunctionTool(_Strict):
-    type: str
-    name: str | None = None
+    type: Literal["function"]  # built-in tools (web_search, file_search, ...) are refused
+    name: str
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _function_only(self):
-        if self.type != "function":
-            raise ValueError(f"tool type {self.type!r} is not supported; only 'function'")
-        if self.name is None:
-            raise ValueError("a function tool needs a 'name'")
-        return self
+    strict: bool | None = None  # true or left out (OpenAI's default): calls are constrained to ``parameters``
+    async_: refused("asynchronous function calls are not supported; only false",
+                    takes=lambda v: v is False) = Field(default=None, alias="async")
+    allowed_callers: refused("only the model calls tools (['direct'])", takes=lambda v: v == ["direct"]) = None
+    defer_loading: refused("deferred tool loading (tool search) is not supported; only false",
+                           takes=lambda v: v is False) = None
+    output_schema: refused("function output schemas are not supported") = None
 
     def to_dict(self) -> dict:
         return {"type": "function", "name": self.name, "description": self.description,
@@ -211,10 +239,17 @@ class FunctionToolChoice(_Strict):
 
 class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = None  # json_schema: a label; the schema alone constrains the output
     schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
+    strict: bool | None = None  # json_schema: the output is an instance of the schema either way
+    description: str | None = None  # json_schema: as ``strict``
+
+    @field_validator("name", "schema_", "strict", "description")
+    @classmethod
+    def _with_json_schema(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("only taken with type 'json_schema'")
+        return value
 
 
 class TextConfig(_Strict):
@@ -235,8 +270,6 @@ def _image_options(value) -> bool:
 
 
 class ResponsesRequest(_Strict):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
     input: str | list[Item]
     model: str | None = None
     instructions: str | None = None
@@ -285,7 +318,8 @@ class ResponsesRequest(_Strict):
 
 
 _FIELDS = field_names(ResponsesRequest, MessageItem, InputText, OutputText, InputImage, FunctionCallItem,
-                      FunctionCallOutputItem, FunctionTool, FunctionToolChoice, TextConfig, TextFormat)
+                      FunctionCallOutputItem, FunctionTool, FunctionToolChoice, TextConfig, TextFormat) | {
+                          "schema", "async"}
 
 
 # --- validation and the prompt -------------------------------------------------------------
@@ -318,12 +352,12 @@ def validate(req: ResponsesRequest, gw: Gateway) -> None:
 
 
 def structured_spec(req: ResponsesRequest) -> dict | None:
-    """``SamplingParams.structured`` for ``text.format`` or a forcing ``tool_choice``
-    (``gateway.structured``); None = free text. Raises 400 naming the param."""
+    """``SamplingParams.structured`` for ``text.format``, a forcing ``tool_choice`` or strict tools
+    under "auto" (``gateway.structured``); None = free text. Raises 400 naming the param."""
     fmt = req.text.format if req.text is not None else None
     choice, found = req.tool_choice, []
     if fmt is not None and fmt.type != "text":
-        spec = response_format_spec(fmt.type, {"schema": fmt.schema_}, "text.format")
+        spec = response_format_spec(fmt.type, fmt.schema_, "text.format")
         found.append(("text", checked(spec, "text")))
     if req.tools and (choice == "required" or isinstance(choice, FunctionToolChoice)):
         name = choice.name if isinstance(choice, FunctionToolChoice) else None
@@ -331,6 +365,8 @@ def structured_spec(req: ResponsesRequest) -> dict | None:
         found.append(("tool_choice", tool_call_spec(tools, name, parallel=req.parallel_tool_calls is not False)))
     if len(found) > 1:
         raise bad_request("text.format and a forced tool_choice cannot be combined", param="tool_choice")
+    if not found and req.tools and choice in (None, "auto"):  # strict unless false, OpenAI's default
+        return strict_tools_spec([(t.name, t.parameters, t.strict is not False) for t in req.tools])
     return found[0][1] if found else None
 
 

@@ -76,10 +76,11 @@ class RouterConfig:
     verified page-cache reads here, docs/architecture.md "Storage tier").
     dynamo_overlap_weight: Dynamo's ``overlap_score_weight`` w (its default: 1).
     decode_active_weight / decode_max_seqs: weight of a decode worker's requests, normalised
-    by the sequences it batches (the engine's ``--max-num-seqs`` default).
+    by the sequences it batches: its reported ``max_num_seqs``, else ``decode_max_seqs`` (the
+    engine's ``--max-num-seqs`` default).
     decode_reserve_tokens: output tokens a decode worker must hold room for beyond the prompt.
     decode_max_waiting: requests a decode worker may have queued beyond one full batch (running,
-    waiting and booked to it, minus ``decode_max_seqs``) before it takes no more.
+    waiting and booked to it, minus its batch) before it takes no more.
     max_targeted: chosen prefill workers tried in turn before the queue group.
     targeted_timeout_s: how long one targeted submit may take before the next is tried.
     report_margin_s: a request accepted this long before a worker's report is in that report
@@ -421,11 +422,11 @@ class Router:
             used = r.kv_tokens_used + sum(s.tokens for s in sent) + need
             if r.kv_tokens_capacity > 0 and used > r.kv_tokens_capacity:
                 continue  # never beyond capacity
-            requests = r.active_requests + r.waiting_requests + len(sent)
-            if requests >= cfg.decode_max_seqs + cfg.decode_max_waiting:
+            requests, seqs = r.active_requests + r.waiting_requests + len(sent), self._max_seqs(r)
+            if requests >= seqs + cfg.decode_max_waiting:
                 continue  # a queue that long: the request would wait for whole generations to end
             kv = used / r.kv_tokens_capacity if r.kv_tokens_capacity > 0 else 0.0
-            busy = requests / max(1, cfg.decode_max_seqs)
+            busy = requests / max(1, seqs)
             key = (kv + cfg.decode_active_weight * busy, (pos - self._turn) % len(workers))
             if best is None or key < best[0]:
                 best = (key, r.worker_id)
@@ -444,8 +445,12 @@ class Router:
         need = shape.num_tokens + min(shape.max_tokens, cfg.decode_reserve_tokens)
         return bool(live) and not any(
             (r.kv_tokens_capacity <= 0 or r.kv_tokens_used + need <= r.kv_tokens_capacity)
-            and r.active_requests + r.waiting_requests < cfg.decode_max_seqs + cfg.decode_max_waiting
+            and r.active_requests + r.waiting_requests < self._max_seqs(r) + cfg.decode_max_waiting
             for r in (i.report for i in live))
+
+    def _max_seqs(self, report: LoadReport) -> int:
+        """The batch a decode worker runs: its reported ``--max-num-seqs``, else ``decode_max_seqs``."""
+        return report.max_num_seqs or self.config.decode_max_seqs
 
     def _live(self, role: str) -> list[WorkerInfo]:
         return [i for i in self.registry.alive(role) if not i.report.draining]

@@ -15,6 +15,10 @@ Where a request can ask for it (at most one source per request, else 400):
                                 a grammar of tool calls in the format the tool parser reads
                                 (``tools.tool_call_grammar``), arguments constrained by each tool's
                                 ``parameters``; ``parallel_tool_calls: false`` = exactly one call
+    strict tools, not forced    tools with ``strict: true`` (Responses: unless false, OpenAI's default;
+                                Anthropic's ``strict``) under "auto": free text, each call the model
+                                starts constrained (``tools.strict_tool_call_grammar``); not with
+                                another source, whose output could hold no call
 
 Grammars (``guided_grammar``, ``structured_outputs.grammar``) are llguidance's Lark dialect.
 Every spec is compiled by llguidance without a tokenizer (``engine.structured.compile_grammar``,
@@ -29,7 +33,7 @@ import json
 
 from deepinfer.engine.structured import StructuredOutputError, compile_grammar
 from deepinfer.gateway.errors import bad_request
-from deepinfer.gateway.tools import tool_call_grammar
+from deepinfer.gateway.tools import strict_tool_call_grammar, tool_call_grammar
 
 _VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -51,7 +55,8 @@ def openai_spec(req, tools_forced: dict | None = None) -> dict | None:
     found: list[tuple[str, dict]] = []
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.type != "text":
-        found.append(("response_format", response_format_spec(fmt.type, fmt.json_schema or {}, "response_format")))
+        found.append(("response_format", response_format_spec(
+            fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None, "response_format")))
     for name in _VLLM_FIELDS:
         value = getattr(req, name, None)
         if value is not None:
@@ -64,12 +69,10 @@ def openai_spec(req, tools_forced: dict | None = None) -> dict | None:
     return checked(found[0][1], found[0][0]) if found else None
 
 
-def response_format_spec(kind: str, json_schema: dict, param: str) -> dict:
-    """``json_object`` / ``json_schema`` (OpenAI's ``json_schema`` object: ``schema``, ``name``,
-    ``strict``, ``description``) -> a spec."""
+def response_format_spec(kind: str, schema: dict | None, param: str) -> dict:
+    """``json_object`` / ``json_schema`` (with the JSON schema ``schema``; None = any object) -> a spec."""
     if kind == "json_object":
         return {"type": "json_object"}
-    schema = json_schema.get("schema")
     if schema is None:
         return {"type": "json_object"}
     if not isinstance(schema, dict):
@@ -133,6 +136,21 @@ def tool_call_spec(tools: list[tuple[str, dict | None]], forced_name: str | None
             raise bad_request(f"{param}: no tool named {forced_name!r} among the tools", param=param)
     try:
         spec = {"type": "grammar", "lark": tool_call_grammar(tools, parallel)}
+    except StructuredOutputError as e:
+        raise bad_request(f"tools: {e}", param="tools") from None
+    return checked(spec, "tools")
+
+
+def strict_tools_spec(tools: list[tuple[str, dict | None, bool]]) -> dict | None:
+    """The spec for tools offered but not forced (``tool_choice`` "auto"): free text, and each call the
+    model starts is a call of one of ``tools`` ((name, parameters schema, strict)) whose arguments
+    are an instance of the schema where the tool is strict. None when no tool is strict (free text,
+    calls parsed as written). Checked; raises 400 (param ``tools``) for parameters llguidance
+    cannot enforce."""
+    if not any(strict for _, _, strict in tools):
+        return None
+    try:
+        spec = {"type": "grammar", "lark": strict_tool_call_grammar(tools)}
     except StructuredOutputError as e:
         raise bad_request(f"tools: {e}", param="tools") from None
     return checked(spec, "tools")

@@ -28,6 +28,11 @@ their ``parameters`` schemas, with exactly the declared properties (no others
 unless the schema allows them with ``additionalProperties``). Where the
 tokenizer has ``<tool_call>`` as one (added) token, llguidance matches the
 tag's literal with that token, as the model was trained to write it.
+``strict_tool_call_grammar`` is the grammar for tools some of which are
+``strict`` and a call is not forced (``tool_choice`` "auto"): free text, and
+from each ``<tool_call>`` the model writes on, a call in that format (a strict
+tool's arguments an instance of its schema, another's any JSON object), after
+which free text goes on.
 """
 
 from __future__ import annotations
@@ -220,15 +225,39 @@ def tool_call_grammar(tools: list[tuple[str, dict | None]], parallel: bool = Tru
     and no ``additionalProperties``, an object of those properties only. Raises
     StructuredOutputError (``engine.structured``) for parameters that are not an object schema.
     """
-    rules = []
+    return "\n".join([
+        'start: call ("\\n" call)*' if parallel else "start: call",
+        f'call: {lark_string(OPEN + chr(10))} body {lark_string(chr(10) + CLOSE)}',
+        *_call_body_rules(tools),
+    ])
+
+
+def strict_tool_call_grammar(tools: list[tuple[str, dict | None, bool]]) -> str:
+    """A Lark grammar (llguidance's dialect) for free text with tool calls in it, for a call that is
+    not forced: any text; once the model has written ``<tool_call>`` (a lazy lexeme: the first
+    occurrence ends the text), ``\n{"name": N, "arguments": A}\n</tool_call>`` with N one of
+    ``tools``' names and A an instance of that tool's parameters schema where the tool is strict
+    (``(name, parameters, strict)``), else any JSON object; then text again, and more calls.
+
+    The trigger follows llguidance's structural tags (``llguidance.StructTag``). Raises
+    StructuredOutputError for a strict tool's parameters that are not an object schema."""
+    tools = [(name, parameters if strict else {}) for name, parameters, strict in tools]
+    return "\n".join([
+        "%llguidance {}",
+        "start: call* TEXT",
+        r"TEXT: /(.|\n)*/",
+        f"open[lazy]: TEXT {lark_string(OPEN)}",
+        f'call: open {lark_string(chr(10))} body {lark_string(chr(10) + CLOSE)}',
+        *_call_body_rules(tools),
+    ])
+
+
+def _call_body_rules(tools: list[tuple[str, dict | None]]) -> list[str]:
+    """``body``: the JSON of a call of one of ``tools``, each its own rule with its arguments' schema."""
+    rules = ["body: " + " | ".join(f"tool{i}" for i in range(len(tools)))]
     for i, (name, parameters) in enumerate(tools):
         parameters = _object_schema(name, parameters)
         head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
         rules.append(f"tool{i}: {lark_string(head)} args{i} {lark_string('}')}")
         rules.append(f"args{i}: {json_lark(parameters)}")
-    return "\n".join([
-        'start: call ("\\n" call)*' if parallel else "start: call",
-        f'call: {lark_string(OPEN + chr(10))} body {lark_string(chr(10) + CLOSE)}',
-        "body: " + " | ".join(f"tool{i}" for i in range(len(tools))),
-        *rules,
-    ])
+    return rules

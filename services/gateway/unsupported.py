@@ -21,6 +21,13 @@ from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
 
+class Refused:
+    """The mark ``refused`` leaves in a field's metadata (so a test can tell refused fields apart)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 def refused(why: str, takes: Callable[[Any], bool] | None = None):
     """The annotation of a declared field this server does not implement: any JSON value but null
     fails validation with ``why`` (no braces: it is a message template), unless ``takes(value)``."""
@@ -30,7 +37,7 @@ def refused(why: str, takes: Callable[[Any], bool] | None = None):
             return value
         raise PydanticCustomError("unsupported", why)
 
-    return Annotated[Any, AfterValidator(check)]
+    return Annotated[Any, AfterValidator(check), Refused(why)]
 
 
 # --- the values several APIs take --------------------------------------------------------------
@@ -70,3 +77,5 @@ CACHE_OPTIONS = ("only implicit prompt caching (every prompt's prefix is cached 
 MODERATION = "moderation is not supported"
 VERBOSITY = "verbosity is not supported"
 OBFUSCATION = "stream obfuscation is not supported; only false"
+IMAGE_DETAIL = ("image detail levels are not supported (the model's image processor has one resolution, which is "
+                "what 'auto' picks); only 'auto'")
