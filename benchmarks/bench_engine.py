@@ -13,7 +13,7 @@ the engine chooses on this CPU: ``engine.dtype_choice``):
    scheduled and prepared while step t runs).
 2. ``transformers.generate`` on the same prompts at the same batch sizes
    (left-padded batch), in the same dtype: output tokens/s.
-3. The step cost model (TECHNIQUES §3): coefficients after start-up
+3. The step cost model (``engine.cost_model``): coefficients after start-up
    calibration, then predicted vs measured step time on chunked prefills of a
    long prompt at a 500 ms budget (on this 2-core CPU a step's fixed cost is
    already ~100 ms, so smaller budgets leave only minimum chunks).

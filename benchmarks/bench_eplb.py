@@ -1,4 +1,4 @@
-"""Expert load balancing (issue #7): max/mean tokens per EP rank before and after EPLB, in one run.
+"""Expert load balancing: max/mean tokens per EP rank before and after EPLB, in one run.
 
 A tiny random Qwen3-MoE checkpoint (``--experts`` experts, top-``--top-k``,
 ``--layers`` MoE layers) runs in the real engine with its experts split over

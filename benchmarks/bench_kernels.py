@@ -1,4 +1,4 @@
-"""Triton kernels vs the torch references on a CUDA GPU: time per call, side by side (issue #14).
+"""Triton kernels vs the torch references on a CUDA GPU: time per call, side by side.
 
 Each kernel runs on one realistic shape (a Llama-3-8B-like layer: 32 query heads,
 8 KV heads, head_dim 128, hidden 4096, bf16, 16-token blocks; a Qwen3-30B-A3B-like

@@ -17,7 +17,7 @@ storage root):
 
     python benchmarks/bench_kvtier.py [--prompt-tokens 3000]
 
-Targets (issue #4): warm TTFT at 90% cached <= 0.15x cold; load throughput
+Targets: warm TTFT at 90% cached <= 0.15x cold; load throughput
 >= 50% of the plain read.
 """
 

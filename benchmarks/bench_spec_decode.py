@@ -1,4 +1,4 @@
-"""Speculative decoding on SmolLM2-135M (issue #9): no speculation vs fixed k vs adaptive (DSpark).
+"""Speculative decoding on SmolLM2-135M: no speculation vs fixed k vs adaptive (DSpark).
 
 Workload where drafts help: rewriting a given piece of code (each request its own
 program: a few small functions with random names; the instruction asks for the

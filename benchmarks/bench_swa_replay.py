@@ -1,4 +1,4 @@
-"""SWA bounded replay on Gemma-3-270M (TECHNIQUES §5, issue #8): prefill compute and accuracy.
+"""SWA bounded replay on Gemma-3-270M: prefill compute and accuracy.
 
 Scenario, per cached prefix length H (2k / 4k / 8k tokens, whole blocks): turn 1
 of a conversation is a long document (H tokens of the repository's own docs in

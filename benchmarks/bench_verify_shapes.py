@@ -1,6 +1,6 @@
 """Forward time of verify-shaped decode steps: uniform vs mixed query lengths at equal tokens.
 
-Speculative decoding's adaptive verification (issue #9) gives each request its own number of draft
+Speculative decoding's adaptive verification (docs/speculative_decoding.md) gives each request its own number of draft
 tokens, so a verify step feeds queries of uneven lengths (1..γ+1 per sequence), where fixed-k
 verification feeds every sequence k+1. The torch attention groups sequences by query length
 (``libs/kernels/attention.py``), one SDPA call per group and layer, so uneven lengths cost more groups.

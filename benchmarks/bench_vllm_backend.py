@@ -1,7 +1,7 @@
 """The mesh with the native engine vs the mesh with ``--engine vllm`` vs a plain vLLM server, in one run.
 
-Issue #15's benchmark. Run it in .venv-vllm (``bash scripts/setup_vllm.sh``), which has both
-engines, so the three systems share one environment:
+The vLLM backend's benchmark (docs/vllm_backend.md). Run it in .venv-vllm
+(``bash scripts/setup_vllm.sh``), which has both engines, so the three systems share one environment:
 
     .venv-vllm/bin/python benchmarks/bench_vllm_backend.py [--concurrency 1 4 16] [--output-len 64]
 

@@ -20,11 +20,11 @@ Definitions (``M`` = one million tokens, a day = 24 hours):
     storage needed     = KV written/day x retention days
 
 The storage estimate counts every prefix computed within the retention window once:
-a block expires its class's retention after its last use (TECHNIQUES §8), so blocks
+a block expires its class's retention after its last use (``kvindex.maintenance``), so blocks
 still in use live longer and blocks shared inside the window count once. The cache
 discount is what cached tokens would have paid at the uncached price.
 
-Defaults are the seeds' scenario (TECHNIQUES §10): 155 T tokens/day, 96 % input cache
+Defaults are the seeds' scenario (docs/benchmarks.md): 155 T tokens/day, 96 % input cache
 hits, DeepSeek's V3.2 list prices ($0.28 uncached, $0.028 cached, $0.42 output per M)
 with 27 % output tokens (the mix at which those prices give the seeds' blended
 ≈ $0.14/M), 24,000 accelerators (≈ $0.9 M/hour at the seeds' ≈ $38 per
@@ -291,7 +291,7 @@ def cli(args: argparse.Namespace) -> int:
 
 DESCRIPTION = ("Revenue, margin, payback and cache storage of a day of traffic, from its volume, input/output "
                "mix, cache-hit share (given or measured by a bench run), prices and accelerator and storage "
-               "costs. Defaults: the seeds' scenario (TECHNIQUES §10).")
+               "costs. Defaults: the seeds' scenario (docs/benchmarks.md).")
 
 
 def main(argv: list[str] | None = None) -> int:

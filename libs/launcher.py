@@ -33,7 +33,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-# NOTE: the balancer (issue #7) idles unless MoE workers report expert load; it starts before
+# NOTE: the balancer (expert load balancing) idles unless MoE workers report expert load; it starts before
 # the workers so their first reports reach it.
 DEFAULT_SERVICES = ("tokenizer", "kvindex", "balancer", "prefill", "decode", "gateway")
 # aggregated serving: no prefill workers; each request goes to one decode worker, which prefills it too

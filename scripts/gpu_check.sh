@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the Triton kernels (issue #14), for a machine with a CUDA GPU:
+# The GPU check of the Triton kernels (docs/kernels.md), for a machine with a CUDA GPU:
 #
 #   bash scripts/gpu_check.sh            # ~2-4 minutes; every step has its own time limit, 280 s in all
 #

@@ -1,4 +1,4 @@
-"""Balancer (issue #7): the moving average and triggers on hand-made reports, and the whole loop
+"""Balancer: the moving average and triggers on hand-made reports, and the whole loop
 through a real nats-server: MoE decode workers -> stats -> balancer -> placement -> workers."""
 
 from __future__ import annotations

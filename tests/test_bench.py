@@ -1,6 +1,6 @@
-"""Benchmark metrics and Mooncake trace replay (issue #6, item 6): definitions on synthetic
-timings with known answers, trace scaling and ideal hit rates on hand-made traces (the replay
-through a mock mesh is in test_mock_engine.py, next to that mesh)."""
+"""Benchmark metrics and Mooncake trace replay: definitions on synthetic timings with known answers,
+trace scaling and ideal hit rates on hand-made traces (the replay through a mock mesh is in
+test_mock_engine.py, next to that mesh)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``deepinfer bench serve`` / ``bench compare`` (issue #12): metric definitions on synthetic timings
-with known answers, arrival processes, datasets, the runner against an in-process fake server
-(conversation growth, concurrency cap, failures), the command line's errors; then runs against
-the real mesh (SmolLM2) and a mock mesh (trace replay) that write the table, JSON and plots."""
+"""``deepinfer bench serve`` / ``bench compare``: metric definitions on synthetic timings with known
+answers, arrival processes, datasets, the runner against an in-process fake server (conversation
+growth, concurrency cap, failures), the command line's errors; then runs against the real mesh
+(SmolLM2) and a mock mesh (trace replay) that write the table, JSON and plots."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The step cost model behind compute-time chunking (TECHNIQUES §3 plus a gather term)."""
+"""The step cost model behind compute-time chunking (a + b·n + d·n(c + n/2), plus a gather term)."""
 
 import random
 

@@ -201,6 +201,6 @@ def test_models_and_health(mesh):
     assert health.json()["kv_index"]["redis_ok"] is True
 
 
-# Killing the decode worker mid-stream (issue #1): tests/test_failover.py's
+# Killing the decode worker mid-stream: tests/test_failover.py's
 # test_only_decode_worker_killed_ends_the_stream_with_a_clear_error_event (mock workers: the gateway's
 # path is the same, and a real engine here cost a private mesh of ~50 s).

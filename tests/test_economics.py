@@ -1,6 +1,5 @@
-"""``deepinfer economics`` (issue #12, part 3): the formulas on round numbers, the seeds' figures
-(TECHNIQUES §10) from their inputs, shares measured by a bench run, and a --help that gives every
-input's unit."""
+"""``deepinfer economics``: the formulas on round numbers, the seeds' figures (docs/benchmarks.md)
+from their inputs, shares measured by a bench run, and a --help that gives every input's unit."""
 
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ def test_formulas_on_round_numbers():
 
 
 def test_the_seeds_figures_follow_from_their_inputs():
-    """TECHNIQUES §10: 155 T tokens/day, 96 % input cache hits, blended ≈ $0.14/M -> ≈ $22 M/day and
+    """The seeds' scenario: 155 T tokens/day, 96 % input cache hits, blended ≈ $0.14/M -> ≈ $22 M/day and
     ≈ $1 M/hour; ≈ $38 per accelerator-hour; $5-8 per accelerator-hour -> margin above 80 %; payback
-    ≈ 81 days. The document gives the volume, the hit share, the blended price, the revenue per
+    ≈ 81 days. The scenario gives the volume, the hit share, the blended price, the revenue per
     accelerator-hour and the cost range. What it leaves out is taken here, and named:
     - prices: DeepSeek's V3.2 list ($0.28 uncached input, $0.028 cached input, $0.42 output per M);
       at 96 % hits the blended price pins the mix down to about 27 % output tokens;

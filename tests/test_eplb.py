@@ -1,4 +1,4 @@
-"""EPLB (issue #7; TECHNIQUES §7): the algorithm and the placement tensors on hand-made load matrices."""
+"""EPLB (deepseek-ai/EPLB): the algorithm and the placement tensors on hand-made load matrices."""
 
 import pytest
 import torch

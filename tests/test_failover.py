@@ -1,4 +1,4 @@
-"""Worker failure (issue #6, item 4) through real meshes started by the launcher.
+"""Worker failure through real meshes started by the launcher.
 
 - a decode worker killed (-9) mid-stream: its requests resume on the other decode
   worker from the prompt's blocks in the storage tier plus the tokens already

@@ -1,7 +1,7 @@
-"""Images through the gateway (issue #11): OpenAI ``image_url`` parts (data: URLs, http(s) URLs)
-and Anthropic image blocks reach the vision service (a real one on the tiny LLaVA) and the
-prefill request carries each image's placeholder run and content hash; every bad image is a 400
-in the API's own error shape; a text-only model refuses image parts.
+"""Images through the gateway: OpenAI ``image_url`` parts (data: URLs, http(s) URLs) and Anthropic
+image blocks reach the vision service (a real one on the tiny LLaVA) and the prefill request carries
+each image's placeholder run and content hash; every bad image is a 400 in the API's own error
+shape; a text-only model refuses image parts.
 
 The mesh: a private nats-server, the fake prefill / decode workers of ``test_gateway``, a fake
 tokenizer that runs the real recipe on the tiny LLaVA, a real ``VisionService``, in-process gateways

@@ -311,7 +311,7 @@ async def test_completions_logprobs_have_the_legacy_shape(oai_client, gateway, s
 
 
 def test_swa_replay_passes_from_the_request_to_the_workers_sampling_params():
-    """Issue #8: a request chooses bounded replay or exact recompute for a hybrid model's prefix."""
+    """A request chooses bounded replay or exact recompute for a hybrid model's prefix."""
     import pydantic
 
     from deepinfer.gateway import openai_schema as oai

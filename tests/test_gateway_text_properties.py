@@ -1,4 +1,4 @@
-"""Property tests of streaming text (TECHNIQUES §9): random multi-byte texts, random
+"""Property tests of streaming text (detokenization, stop strings): random multi-byte texts, random
 token chunkings, random cuts (max_tokens), random stop strings; the incremental
 path must equal a one-shot decode and cut, and never show U+FFFD or part of a
 stop string. Two decoders: SmolLM2 (byte-level BPE) and Gemma-3 (SentencePiece

@@ -1,4 +1,4 @@
-"""The storage tier with a hybrid sliding-window model, through a real mesh (TECHNIQUES §5).
+"""The storage tier with a hybrid sliding-window model, through a real mesh (SWA bounded replay).
 
 Two prefill workers, one decode worker and the kvindex serve a tiny random
 Gemma 3 (window 12 tokens, 3 of 4 layers sliding). A prompt computed on

@@ -1,4 +1,4 @@
-"""Load reports (issue #6, item 1): what a worker's heartbeat says about its queue, cache and cost model."""
+"""Load reports: what a worker's heartbeat says about its queue, cache and cost model."""
 
 import pytest
 

@@ -138,7 +138,7 @@ def test_damaged_embeddings_in_the_tier_are_encoded_again(vlm_mesh, llava):
     assert asyncio.run(vision_report(vlm_mesh.nats_url)).vision_forwards == forwards + 1
 
 
-# --- decode failover of image requests (issue #11 review, item 1) -----------------------------
+# --- decode failover of image requests --------------------------------------------------------
 FAST_START = ["--no-calibrate", "--kv-cache-gb", "0.1"]
 BLOCK = 16  # the workers' default --block-size
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue #10): the metrics module, and /metrics of a whole mesh started by the launcher.
+"""Prometheus metrics: the metrics module, and /metrics of a whole mesh started by the launcher.
 
 Unit tests: subject families, the NATS timing decorators, the families built from a
 ``LoadReport`` / ``StoreStats`` / ``SpecDecoder`` / ``KVIndexHealth`` / ``BalancerStatus``

@@ -1,6 +1,6 @@
-"""The mock engine (issue #6, item 5): the real scheduler and prefix cache, steps that sleep by
-the timing model, deterministic tokens, KV handoff and the storage tier, and a mock mesh
-served through the gateway with the official openai client."""
+"""The mock engine: the real scheduler and prefix cache, steps that sleep by the timing model,
+deterministic tokens, KV handoff and the storage tier, and a mock mesh served through the gateway
+with the official openai client."""
 
 from __future__ import annotations
 
@@ -345,8 +345,8 @@ def conversation_trace(n_conv: int = 5, turns: int = 4) -> list[dict]:
 
 
 def test_trace_replay_through_a_mock_mesh_reaches_the_ideal_hit_rate_and_writes_its_report(mock_mesh, tmp_path):
-    """Issue #6, item 6: ``deepinfer bench replay`` against the mesh's gateway; every prefix a
-    later turn reuses comes back from a prefill's cache or the storage tier."""
+    """``deepinfer bench replay`` against the mesh's gateway; every prefix a later turn reuses comes
+    back from a prefill's cache or the storage tier."""
     import argparse
     import json
 
@@ -364,7 +364,7 @@ def test_trace_replay_through_a_mock_mesh_reaches_the_ideal_hit_rate_and_writes_
                              "rejected_429_without_retry_after": 0, "failed": 0}
     hit = s["hit_rate"]
     assert hit["ideal_engine"] > 0.5
-    # turns 2 s apart leave no window for a miss: all but rounding (the issue allows 5 points at scale)
+    # turns 2 s apart leave no window for a miss: all but rounding (the target allows 5 points at scale)
     assert abs(hit["measured"] - hit["ideal_engine"]) <= 0.02, hit
     assert abs(hit["ideal_trace"] - ideal_hit_rate(conversation_trace())) < 1e-12
     d = s["ttft_s"]

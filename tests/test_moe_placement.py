@@ -1,4 +1,4 @@
-"""Expert placements in the engine's MoE layers (issue #7): replicas, EP rank accounting, memory,
+"""Expert placements in the engine's MoE layers: replicas, EP rank accounting, memory,
 and model outputs that no placement changes (tiny random Qwen2-MoE, Qwen3-MoE and GPT-OSS)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The tokenizer recipe: control tokens only from the template (TECHNIQUES §1).
+"""The tokenizer recipe: control tokens only from the template.
 
 Three tokenizers: the embedded SmolLM2 (ChatML, 17 special tokens), SmolLM2
 with a Qwen2.5-style tools template and Qwen's non-special ``<tool_call>``

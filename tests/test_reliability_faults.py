@@ -1,6 +1,6 @@
-"""Faults under load (issue #13, items 1 and 2): workers killed (-9), nats-server and redis-server
-restarted, storage-tier blocks corrupted and deleted, while a steady load runs. Each scenario
-prints its counts (``-s`` shows them) and the module ends with the table of all of them.
+"""Faults under load: workers killed (-9), nats-server and redis-server restarted, storage-tier
+blocks corrupted and deleted, while a steady load runs. Each scenario prints its counts (``-s``
+shows them) and the module ends with the table of all of them.
 
 One mesh for the module (``launcher.Mesh``, the code ``deepinfer up`` runs): 2 tokenizer, kvindex,
 2 prefill and 2 decode workers on the mock engine, and the gateway. The scenarios run in order on
@@ -510,8 +510,8 @@ async def test_a_newer_handoff_copy_behind_the_client_resumes_instead_of_stallin
     """decode-a (attempt 0) streamed 3 tokens, then prefill's handoff timeout aborted it; prefill's
     queue-group retry (attempt 1) on decode-b starts from the first token, behind the client, in
     chunks of several tokens (no chunk starts where the client is). Its chunks were dropped and the
-    request stalled until the inactivity timeout (review of issue #13); now that copy is aborted
-    and the request resumes from the client's 4 tokens, and ends complete."""
+    request stalled until the inactivity timeout; now that copy is aborted and the request resumes
+    from the client's 4 tokens, and ends complete."""
     want = list(range(500, 510))
 
     async def prefill(publish):

@@ -1,5 +1,4 @@
-"""A decode worker refuses a handoff whose abort came first (issue #13, item 3: found by the
-cancellation test of ``test_reliability_mesh``).
+"""A decode worker refuses a handoff whose abort came first.
 
 On a loaded machine a prefill worker's handoff to the gateway's chosen decode worker can go
 unanswered for ``TARGET_HANDOFF_TIMEOUT_S`` while that worker's submit subscription is busy with

@@ -1,4 +1,4 @@
-"""Prompt injection through control tokens (issue #13, item 6), through the tokenizer service.
+"""Prompt injection through control tokens, through the tokenizer service.
 
 A corpus of client strings imitating the control tokens of every chat template the project serves
 goes through ``deepinfer.tokenizer.encode_chat`` over NATS (``TokenizerService``: the code the mesh

@@ -1,5 +1,5 @@
-"""Hostile input (issue #13, item 5): the gateway answers every request 4xx or 2xx, never 5xx, and
-each refusal in its API's own error shape. Each test prints its figures (``-s`` shows them).
+"""Hostile input: the gateway answers every request 4xx or 2xx, never 5xx, and each refusal in its
+API's own error shape. Each test prints its figures (``-s`` shows them).
 
 The gateway runs in-process (``gateway_harness.ConfiguredGateway``, the default 32 MiB body limit)
 on a real nats-server, with the real tokenizer service's handler (``TokenizerService``: templates,

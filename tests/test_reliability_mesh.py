@@ -1,5 +1,5 @@
-"""Reliability on a mesh of mock workers (issue #13, items 3, 4 and 7): cancellation, overload,
-tenant isolation. Each test prints its figures (``-s`` shows them) and asserts on them.
+"""Reliability on a mesh of mock workers: cancellation, overload, tenant isolation. Each test prints
+its figures (``-s`` shows them) and asserts on them.
 
 One mesh for the module (``launcher.Mesh``, the code ``deepinfer up`` runs): tokenizer, kvindex,
 2 prefill and 2 decode workers on the mock engine (the real scheduler, block manager, prefix cache

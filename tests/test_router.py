@@ -1,5 +1,5 @@
-"""Routing and admission (issue #6, items 2 and 3): scoring on synthetic load reports, the submit
-fallbacks, 429 shapes, and the acceptance runs on a mesh of mock workers."""
+"""Routing and admission: scoring on synthetic load reports, the submit fallbacks, 429 shapes, and
+the acceptance runs on a mesh of mock workers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from deepinfer.bench.metrics import percentile
 from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
 from deepinfer.gateway.dispatch import submit_prompt
 from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.router import PromptShape, Router, RouterConfig
+from deepinfer.gateway.router import BIAS_MAX_AGE_S, PromptShape, Router, RouterConfig
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (AbortRequest, ErrorReply, LoadReport, PrefillRequest, SamplingParams, SubmitReply,
@@ -352,6 +352,33 @@ def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_sl
     assert len(router._errors) == 8
 
 
+def test_a_lateness_that_refuses_everything_ages_out():
+    """First tokens 26 s late (a burst the model did not see coming) make every prediction miss the
+    SLO, so nothing is admitted and no new sample comes: after ``BIAS_MAX_AGE_S`` without one the
+    bias is 0 again and requests are admitted (and measured) anew, instead of 429s for ever."""
+    clock = Clock()
+    reg, router, _ = setup(prefill("a"), clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=5.0))
+    shape = PromptShape(num_tokens=1000)
+    plans = []
+    for i in range(8):  # sent together, their first tokens all 26 s late
+        plans.append(plan := router.plan(f"r{i}", shape))
+        router.commit(plan, ttft_slo_s=5.0)
+        router.accepted(plan, "a")
+    clock.t += plans[0].predicted_ttft_s + 26.0
+    reg.observe(prefill("a"))
+    for plan in plans:
+        router.first_token(plan, arrived=True)
+    assert router.ttft_bias_s() > 20.0
+    with pytest.raises(Exception, match="exceeds the 5s SLO"):
+        adm.check(router.plan("refused", shape))
+    clock.t += BIAS_MAX_AGE_S - 1.0  # still recent
+    assert router.ttft_bias_s() > 20.0
+    clock.t += 2.0  # all older than the age limit
+    assert router.ttft_bias_s() == 0.0
+    adm.check(router.plan("admitted", shape))
+
+
 def _hashed(n_tokens: int, blocks: list[str]) -> PromptShape:
     return PromptShape(num_tokens=n_tokens, block_hashes=tuple(blocks), block_size=16)
 
@@ -668,7 +695,7 @@ async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_grou
     assert unchosen.calls == [subjects.DECODE_SUBMIT]
 
 
-# --- acceptance on a mock mesh (issue #6): 4 mock prefill workers, one decode -----------------------
+# --- acceptance on a mock mesh: 4 mock prefill workers, one decode ----------------------------------
 MOCK_COST = "0.004,2e-4,1e-9,1e-7"  # a (s/step), b (s/token), d, e: ~5k prompt tokens/s per worker
 MOCK_ARGS = ["--engine", "mock", "--mock-cost", MOCK_COST, "--heartbeat-s", "0.5"]
 VOCAB_IDS = (1000, 30000)  # plain tokens of the SmolLM2 vocabulary

@@ -1,5 +1,5 @@
-"""Issue #10, operations: a prefill worker started against a running mesh joins and takes
-work; SIGTERM drains it without failing a request; ``deepinfer status`` lists the live workers."""
+"""Operations: a prefill worker started against a running mesh joins and takes work; SIGTERM drains
+it without failing a request; ``deepinfer status`` lists the live workers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Structured output (issue #9): grammars from specs, matchers, the sampler's grammar stage, the
+"""Structured output: grammars from specs, matchers, the sampler's grammar stage, the
 engine on the real model (20 JSON schemas, greedy and sampled, alone and in one mixed batch;
 regex and choice; prefill -> decode), and the gateway (400s naming the feature; tool calls forced
 by ``tool_choice`` through the official client on the real mesh).

@@ -1,4 +1,4 @@
-"""SWA bounded replay (TECHNIQUES §5, issue #8) on tiny random hybrid Gemma 3 models.
+"""SWA bounded replay on tiny random hybrid Gemma 3 models.
 
 The storage tier keeps the full layers' blocks only; a prefix hit rebuilds the
 window layers' state from the engine's window pool, the host SWA state cache

@@ -1,4 +1,4 @@
-"""Issue #10: one request is one trace across the mesh's processes, and its log lines share it.
+"""One request is one trace across the mesh's processes, and its log lines share it.
 
 The services write their spans to one JSON-lines file (``DEEPINFER_TRACES_FILE``, the
 in-process ``JsonLinesExporter``) and their logs as JSON lines to the launcher's log files.

@@ -1,4 +1,4 @@
-"""Triton kernels against their torch references, and the engine on either path (issue #14).
+"""Triton kernels against their torch references, and the engine on either path.
 
 Where they run: on a CUDA machine natively (scripts/gpu_check.sh); on a CPU under
 the Triton interpreter, which must be on before triton is first imported (its

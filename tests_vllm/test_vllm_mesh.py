@@ -115,9 +115,9 @@ def test_speculative_decoding_is_refused_at_start_up(model_dir):
 
 
 def test_a_fresh_prefill_worker_loads_the_prefix_another_one_stored(mesh, client):
-    """Issue #15's cross-worker reuse: prefill-0 computes a prompt cold and its connector stores the
-    blocks; prefill-0 is stopped and prefill-1 (a fresh vLLM engine, nothing cached) gets the same
-    prompt: it reports the stored full blocks as cached and answers as the cold run did.
+    """Cross-worker reuse through the connector: prefill-0 computes a prompt cold and its connector
+    stores the blocks; prefill-0 is stopped and prefill-1 (a fresh vLLM engine, nothing cached) gets
+    the same prompt: it reports the stored full blocks as cached and answers as the cold run did.
     (Last in this module: it replaces the mesh's prefill worker.)"""
     content = TEXT_A + "\nSummarise this story in one sentence."
     cold = chat(client, content, max_tokens=16)

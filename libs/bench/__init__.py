@@ -1,4 +1,4 @@
-"""Benchmark clients and metrics: serving metrics (TECHNIQUES §11) and Mooncake trace replay (issue #6, item 6)."""
+"""Benchmark clients and metrics: serving metrics (as ``vllm bench serve`` defines them) and Mooncake trace replay."""
 
 import argparse
 import sys

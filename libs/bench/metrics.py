@@ -1,5 +1,5 @@
 """Serving benchmark metrics, defined as vLLM's ``vllm bench serve`` (``benchmark_serving``) and
-SGLang's ``bench_serving`` define them (TECHNIQUES §11).
+SGLang's ``bench_serving`` define them.
 
 Per request (times in seconds on the run's clock; a request is *completed* when it answered
 HTTP 200 and streamed at least one token):

@@ -1,4 +1,4 @@
-"""Replay a Mooncake-format trace through a running gateway (issue #6, item 6).
+"""Replay a Mooncake-format trace through a running gateway.
 
 ``deepinfer bench replay`` sends every request of a (scaled) trace at its
 arrival time as a streamed ``/v1/completions`` request with token-id prompts

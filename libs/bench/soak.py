@@ -1,4 +1,4 @@
-"""``deepinfer bench soak``: mixed load for a set time, RSS of every mesh process over time (issue #13, item 8).
+"""``deepinfer bench soak``: mixed load for a set time, RSS of every mesh process over time.
 
     deepinfer bench soak --duration-s 600                       # a mock mesh started here
     deepinfer bench soak --duration-s 300 --mesh real           # the real model

@@ -1,4 +1,4 @@
-"""Step-time model for cutting prefill chunks by compute time (TECHNIQUES §3).
+"""Step-time model for cutting prefill chunks by compute time.
 
 A step that feeds ``n_r`` new tokens after ``c_r`` cached/computed tokens for
 each request r is predicted to take
@@ -11,7 +11,7 @@ each request r is predicted to take
 gathered from the paged cache (each sequence's whole context is read once
 per step, whatever its n).
 
-NOTE: ``e`` is our addition to TECHNIQUES §3's three-term model. Measured on
+NOTE: ``e`` is our addition to the usual three-term model (a, b, d). Measured on
 the 2-core CPU: 16 decodes at context 1024 cost ~840 ms against ~110 ms for
 one, although their token-pairs are few; the block gather, not the dot
 products, dominates decode attention, so without ``e`` the fit was off by

@@ -1,4 +1,4 @@
-"""A worker's side of expert load balancing (issue #7): report routed tokens, apply placements.
+"""A worker's side of expert load balancing: report routed tokens, apply placements.
 
 Only for MoE models (``models.moe.MoECounters``); a dense model's worker runs none of it.
 Lifecycle, in an engine worker (``engine.worker.EngineWorker``):

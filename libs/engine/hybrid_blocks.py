@@ -1,7 +1,7 @@
 """KV blocks for hybrid models: full-attention layers keep every block,
 sliding-window layers keep only the window's (vLLM v1's hybrid KV cache
 manager, simplified to two groups), and a cached prefix is reused exactly or
-by bounded replay (TECHNIQUES §5).
+by bounded replay (docs/architecture.md, "SWA bounded replay").
 
 The engine splits the KV cache into two pools when a model has both kinds of
 layers (Gemma 3: 5 of every 6 layers see the last 512 tokens only):

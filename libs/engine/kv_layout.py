@@ -1,4 +1,4 @@
-"""Which layers' KV a block carries where, for hybrid sliding-window models (TECHNIQUES §5).
+"""Which layers' KV a block carries where, for hybrid sliding-window models.
 
 Three shapes of one block (B = block_size tokens; Hkv, D: KV heads, head dim)::
 

@@ -8,11 +8,11 @@ so the caller can write them to the storage tier. A decode engine accepts
 requests with imported KV (``add_request(..., kv_blocks=...)``) that go
 straight into the running batch.
 
-Hybrid sliding-window models (TECHNIQUES §5): the storage tier's blocks hold
-the full layers only (``load_prefix`` takes them); the window layers' state of
-a prefix comes from the window pool, the host SWA state cache
-(``swa_cache``, filled with each finished sequence's last window) or a bounded
-replay (``hybrid_blocks``); ``StepOutput.prefix_path`` says which.
+Hybrid sliding-window models (docs/architecture.md, "SWA bounded replay"): the
+storage tier's blocks hold the full layers only (``load_prefix`` takes them);
+the window layers' state of a prefix comes from the window pool, the host SWA
+state cache (``swa_cache``, filled with each finished sequence's last window)
+or a bounded replay (``hybrid_blocks``); ``StepOutput.prefix_path`` says which.
 
 ``step()`` runs one step synchronously. ``step_async()`` overlaps: the
 forward pass and sampling of step t run on a forward thread while this
@@ -93,7 +93,7 @@ class EngineConfig:
     async_scheduling: workers drive the engine with ``step_async`` (schedule
     step t+1 while step t runs) instead of ``step``.
     swa_replay: hybrid sliding-window models, a cached prefix whose window state
-    is gone: "bounded" (replay its last W tokens, TECHNIQUES §5) or "exact"
+    is gone: "bounded" (replay its last W tokens) or "exact"
     (recompute it); a request's ``SamplingParams.swa_replay`` overrides it.
     swa_cache_bytes: host memory for the SWA state cache (window layers' KV of
     recently finished prefixes; 0 = none).

@@ -1,4 +1,4 @@
-"""Mock engine: the real scheduler, block manager and prefix cache, with no model (issue #6, item 5).
+"""Mock engine: the real scheduler, block manager and prefix cache, with no model.
 
 ``MockEngine`` is an ``LLMEngine`` with two parts swapped: the model runner
 (``MockRunner``: a tiny KV cache, no weights) and the sampler (deterministic
@@ -9,7 +9,7 @@ caches, hands off and reports load as a real one would, while dozens of
 them fit on one machine (no weights: ~no memory, no compute).
 
 A step's "forward pass" sleeps for the time the timing model predicts for
-its pieces (``StepCostModel.predict``, TECHNIQUES §3: ``a + b·Σn +
+its pieces (``StepCostModel.predict``: ``a + b·Σn +
 d·Σn(c + n/2) + e·Σ(c + n)`` seconds), measured from the step's start, so
 the mock's own bookkeeping is part of that time. The timing model's
 coefficients come from ``MockConfig.cost``: the defaults below, given ones

@@ -15,7 +15,7 @@ covers the full layers only (``write_full_blocks``; all layers for models
 without window layers), and the SWA state cache holds window layers' blocks
 (``read_window_blocks`` / ``StepInputs.window_restores``).
 
-Bounded replay (TECHNIQUES §5, ``engine.hybrid_blocks``): while a sequence
+Bounded replay (``engine.hybrid_blocks``): while a sequence
 feeds positions below ``seq.replay_end`` again, its full layers' new K/V go to
 a scratch block no block table names (their cached KV stays as the cold run
 computed it; queries still attend to it), and its window layers see no keys

@@ -18,7 +18,7 @@ Two queues, ``waiting`` and ``running`` (vLLM v1's unified scheduler):
 
 Budgets per step: ``max_num_batched_tokens`` new tokens (memory), and, for
 prefill chunks, ``step_time_budget_s`` of predicted compute from the
-``StepCostModel`` (TECHNIQUES §3): each chunk is the largest that still fits
+``StepCostModel`` (``cost_model``): each chunk is the largest that still fits
 the time left, so a chunk at a long context is shorter than one at context 0.
 The time for new tokens is the budget less the fixed step cost, floored at
 that fixed cost (``_chunk_time``); a step's first chunk feeds at least as many

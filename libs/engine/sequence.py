@@ -48,7 +48,7 @@ class Sequence:
     # Full-block prefix hashes of token_ids, extended lazily by the block manager.
     block_hashes: list[str] = field(default_factory=list)
     # Vision-language prompts: (offset, length, content hash) of each image's placeholder run
-    # (extra keys of the blocks it overlaps, TECHNIQUES §2) and, where this engine computes the
+    # (extra keys of the blocks it overlaps, ``kvstore.hashing``) and, where this engine computes the
     # prompt, each image's embeddings [length, hidden] fed for those rows (None: none here).
     images: list = field(default_factory=list)
     image_embeds: list | None = None
@@ -69,7 +69,7 @@ class Sequence:
     # Times this sequence was preempted (its KV freed, recomputed later).
     num_preemptions: int = 0
 
-    # --- hybrid sliding-window models: how the cached prefix was reused (TECHNIQUES §5) ---
+    # --- hybrid sliding-window models: how the cached prefix was reused (``engine.hybrid_blocks``) ---
     # "cold" (no hit), "hit" (every layer's KV reused from this engine's pools), "swa_cache"
     # (window layers' KV restored from the host SWA state cache), "bounded_replay",
     # "exact_recompute" (a full-layer prefix was cached but the window state was not, and the

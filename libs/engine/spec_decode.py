@@ -29,7 +29,7 @@ Drafters (``SpecConfig.method``):
 
 Verification length (``SpecConfig.verify``): ``fixed`` verifies min(γ, drafts)
 per request. ``adaptive`` is DSpark's Algorithm 1 (deepseek-ai/DeepSpec;
-TECHNIQUES §6): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
+docs/speculative_decoding.md): a_{r,j} = Π_{i≤j} c_{r,i} is the chance draft j is accepted;
 starting from ℓ_r = 0, the (r, j) are visited by decreasing a_{r,j}, each adding
 one token to the step and a_{r,j} expected tokens, and the prefix of that order
 with the highest expected throughput τ · SPS is verified (Algorithm 1 stops

@@ -1,4 +1,4 @@
-"""The SWA state cache: recent prefixes' sliding-window KV in host memory (TECHNIQUES §5).
+"""The SWA state cache: recent prefixes' sliding-window KV in host memory.
 
 A hybrid model's storage-tier blocks hold only the full-attention layers
 (the window layers' KV matters only for the last W tokens of a prefix, so

@@ -1,2 +1,2 @@
 """Attention, cache, norm, rotary and MoE kernels: torch references (attention.py; the norms, rotary and
-experts in models/) and their Triton twins (triton_*.py, issue #14), chosen by select.py."""
+experts in models/) and their Triton twins (triton_*.py; docs/kernels.md), chosen by select.py."""

@@ -1,4 +1,4 @@
-"""Image embeddings in the storage tier (vision-language models, issue #11).
+"""Image embeddings in the storage tier (vision-language models).
 
 The vision service writes each image's embeddings [tokens_per_image, hidden] as one block file
 ``<root>/<embeddings fingerprint>/embeddings/<hash[:2]>/<hash>.kvb`` (the block file format:

@@ -1,4 +1,4 @@
-"""Chained block hashes (TECHNIQUES §2; vLLM's prefix-caching hash, SHA-256).
+"""Chained block hashes (vLLM's prefix-caching hash, SHA-256).
 
     h_{-1} = SHA-256("deepinfer-root" ‖ model fingerprint)
     h_i    = SHA-256(h_{i-1} ‖ tokens of block i as little-endian u32 ‖ extra keys)

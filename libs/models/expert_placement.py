@@ -1,6 +1,6 @@
 """Expert placement: which logical expert each physical slot of an MoE layer holds, on which EP rank.
 
-Terms (deepseek-ai/EPLB; TECHNIQUES §7):
+Terms (deepseek-ai/EPLB):
 
 * logical expert ``e`` in ``[0, E)``: an expert of the checkpoint;
 * physical slot ``r`` in ``[0, R)``, ``R = E + redundant``: holds the weights of one

@@ -19,7 +19,7 @@ stably sorted by expert id, each expert runs once on its contiguous slice of
 tokens, and weighted outputs are scatter-added back (``index_add_``) in
 expert order, the same summation order as transformers.
 
-Expert parallelism (EP; deepseek-ai/EPLB, TECHNIQUES §7): the experts' weights
+Expert parallelism (EP; deepseek-ai/EPLB): the experts' weights
 live in physical *slots* (``R`` of them: every logical expert once, plus
 replicas of popular ones), and EP rank ``p`` owns slots ``[p*R/P, (p+1)*R/P)``
 (``expert_placement``). Here the ranks are partitions of one process's slots: the

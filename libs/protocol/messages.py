@@ -50,8 +50,8 @@ class SamplingParams:
     ``top_logprobs`` most likely tokens' (0-20).
     swa_replay: hybrid sliding-window models, a cached prefix whose window
     state is gone: "bounded" (replay its last W tokens: W token-forwards, a
-    small accuracy cost, TECHNIQUES §5) or "exact" (recompute the prefix);
-    None = the worker's ``--swa-replay``.
+    small accuracy cost; docs/architecture.md, "SWA bounded replay") or "exact"
+    (recompute the prefix); None = the worker's ``--swa-replay``.
     structured: constrain the output (``deepinfer.engine.structured``; None = free text), one of
     ``{"type": "json_object"}``, ``{"type": "json_schema", "schema": {...}}``,
     ``{"type": "regex", "pattern": str}``, ``{"type": "choice", "choices": [str, ...]}``,
@@ -307,14 +307,14 @@ class LoadReport:
     interval_s: seconds between reports (a worker silent for a few intervals
     is considered dead).
 
-    For routing and admission (issue #6; appended with defaults, so older
+    For routing and admission (appended with defaults, so older
     senders and readers interoperate):
     queued_prefill_tokens / queued_prefill_s: prompt tokens still to compute
     (uncached) over the waiting and running requests, and the engine's cost
     model's predicted compute for them in seconds (marginal piece costs
     ``b·n + d·n(c + n/2) + e·(c + n)``, without the per-step ``cost_a``).
     cost_a, cost_b, cost_d, cost_e: the fitted step cost model
-    (``engine.cost_model``, TECHNIQUES §3): seconds per step, per new token,
+    (``engine.cost_model``): seconds per step, per new token,
     per (new token, key) pair and per key gathered from the cache.
     step_time_budget_s: predicted compute per step prefill chunks may fill
     (0 = no time budget). block_size: tokens per KV block.

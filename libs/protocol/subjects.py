@@ -40,7 +40,7 @@ DECODE_ABORT_ANY = f"{PREFIX}.decode.abort"
 # Heartbeats / load reports of every worker: deepinfer.load.<role>.<worker_id>
 LOAD_ALL = f"{PREFIX}.load.>"
 
-# Expert load balancing (issue #7). MoE workers -> balancer: ExpertStats (plain subscription:
+# Expert load balancing. MoE workers -> balancer: ExpertStats (plain subscription:
 # run one balancer). Balancer -> every MoE worker: ExpertPlacementUpdate, the latest one per
 # model also kept in the JetStream KV bucket EXPERTS_BUCKET under placement_key(model), so a
 # worker that starts later (or missed a message) reads it there.

@@ -6,7 +6,7 @@ schemas) can never become a control token, while a benign conversation gets
 exactly Hugging Face's ids. ``vocab.py`` sorts added tokens into control and
 text tokens, ``placeholders.py`` hides control strings in client text during
 rendering, ``messages.py`` turns OpenAI-shaped messages into template input.
-See TECHNIQUES §1 and ``chat.py``'s docstring for the pipeline.
+See ``chat.py``'s docstring for the pipeline and docs/architecture.md, "Tokenizer: the recipe".
 """
 
 from deepinfer.recipe.chat import ChatRecipe, Segment

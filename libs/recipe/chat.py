@@ -1,4 +1,4 @@
-"""Chat prompt -> token ids, with control tokens only from the template (TECHNIQUES §1).
+"""Chat prompt -> token ids, with control tokens only from the template.
 
 One request through ``ChatRecipe.encode_chat``::
 

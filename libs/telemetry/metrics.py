@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue #10): their names, what feeds them, and the workers' /metrics server.
+"""Prometheus metrics: their names, what feeds them, and the workers' /metrics server.
 
 Names follow Prometheus conventions: the ``deepinfer_`` prefix, the unit in the
 name (``_seconds``, ``_bytes``, ``_tokens``; ``_ratio`` for unitless ratios) and

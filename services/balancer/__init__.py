@@ -1,4 +1,4 @@
-"""Balancer service: expert load statistics -> EPLB placements for MoE workers (issue #7).
+"""Balancer service: expert load statistics -> EPLB placements for MoE workers.
 
 ``eplb`` is the algorithm (deepseek-ai/EPLB), ``tracker`` the moving average and the
 rebalance triggers, ``service`` the NATS service.

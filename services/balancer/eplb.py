@@ -1,7 +1,7 @@
 """EPLB: replicate and place MoE experts so every EP rank gets the same load.
 
-The algorithm of deepseek-ai/EPLB, as specified in TECHNIQUES §7 (this is an
-implementation from that description). Input: the predicted load of every
+The algorithm of deepseek-ai/EPLB (this is an implementation from a description
+of it, not a port of its code). Input: the predicted load of every
 logical expert of every MoE layer, ``weight [L, E]`` (e.g. a moving average of
 routed-token counts), and a topology: ``num_slots`` physical slots R (= E +
 redundant), ``num_groups`` expert groups G (consecutive experts, E/G each),
@@ -24,7 +24,7 @@ Global policy, otherwise: the same with one group and one node (replicas may lan
 on any rank). Slots are numbered rank by rank: rank p holds ``[p*R/P, (p+1)*R/P)``,
 node n holds ranks ``[n*P/N, (n+1)*P/N)``.
 
-Metric (TECHNIQUES §7): max / mean tokens per EP rank, per layer (``imbalance``);
+Metric: max / mean tokens per EP rank, per layer (``imbalance``);
 ``rank_loads`` predicts the tokens per rank of a placement, with each expert's
 tokens spread evenly over its replicas (the workers spread them round-robin).
 """

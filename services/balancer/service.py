@@ -1,6 +1,6 @@
 """Balancer service: expert load statistics from MoE workers -> EPLB placements back to them.
 
-Lifecycle of what this service handles (issue #7; TECHNIQUES §7):
+Lifecycle of what this service handles (docs/architecture.md, "Expert load balancing"):
   1. Stats. MoE workers publish ``ExpertStats`` on ``deepinfer.experts.stats``
      (every ``--expert-stats-s``, ``engine.experts``): per MoE layer, the (token,
      expert) pairs routed to each logical expert and computed on each EP rank.

@@ -19,10 +19,10 @@ Lifecycle of a request in this service:
      leading full blocks read (keyed by their prefix hash, images' content hashes
      included) go into the engine's prefix cache first, so the recompute hits them
      (a miss, never an error; hybrid models then restore or replay the window
-     state, TECHNIQUES §5). A prompt with images recomputed so also gets its
-     images' embeddings from the storage tier (``embeddings_fingerprint``, where
-     the vision service wrote them), for image rows the blocks do not cover;
-     without them the submit is refused.
+     state). A prompt with images recomputed so also gets its images' embeddings
+     from the storage tier (``embeddings_fingerprint``, where the vision service
+     wrote them), for image rows the blocks do not cover; without them the submit
+     is refused.
   3. The engine copies imported blocks into its paged KV cache at the next step
      boundary; the request joins ``running`` and an empty ``TokenChunk``
      announces this worker on the stream (so the gateway watches it).

@@ -102,10 +102,10 @@ async def _encode(gw: Gateway, request_id: str, messages: list[dict], tools: lis
                   param: str, add_generation_prompt: bool = True) -> EncodeChatReply:
     """The tokenizer service's rendering of ``messages``. A request unanswered after
     ``TOKENIZER_RETRY_AFTER_S`` (at most half the timeout) is sent once more with what is left of
-    ``tokenizer_timeout_s``: the queue group gave it to a replica that died with it (issue #13:
-    killing one of two tokenizer workers under load failed its requests after the whole 10 s),
-    and a dead replica's subscription is gone, so the retry reaches a live one. Encoding has no
-    side effects: a slow first replica's late answer is simply dropped."""
+    ``tokenizer_timeout_s``: the queue group may have given it to a replica that died with it
+    (without the retry it would fail only after the whole timeout), and a dead replica's
+    subscription is gone, so the retry reaches a live one. Encoding has no side effects: a slow
+    first replica's late answer is simply dropped."""
     msg = EncodeChatRequest(request_id, messages, add_generation_prompt, tools=tools or None)
     timeout = gw.config.tokenizer_timeout_s
     first = min(TOKENIZER_RETRY_AFTER_S, timeout / 2)

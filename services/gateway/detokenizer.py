@@ -1,4 +1,4 @@
-"""Incremental detokenization that never emits a partial UTF-8 character (TECHNIQUES §9).
+"""Incremental detokenization that never emits a partial UTF-8 character.
 
 Byte-level tokenizers split one character (an emoji, a CJK glyph) over several
 tokens; decoding an unfinished prefix yields U+FFFD. We keep two offsets into

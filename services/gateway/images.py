@@ -1,4 +1,4 @@
-"""Images in chat requests (vision-language models, issue #11).
+"""Images in chat requests (vision-language models).
 
 The APIs' image parts reach ``resolve_images`` as template parts ``{"type": "image_url", "url"}``
 (OpenAI ``image_url`` parts, Responses ``input_image`` parts, Anthropic image blocks: base64 ones

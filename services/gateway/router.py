@@ -1,4 +1,4 @@
-"""Prefill and decode routing in the gateway (issue #6, item 2; TECHNIQUES §4).
+"""Prefill and decode routing in the gateway (docs/architecture.md, "Routing and admission").
 
 Prefill, policy ``predicted`` (the default): the worker with the smallest predicted
 finish time for this request, in seconds from now (Mooncake's Conductor picks its prefill
@@ -12,7 +12,7 @@ FAST '25, §6)::
                report: reports are up to one heartbeat stale, and without this a burst all
                lands on the worker that looked idle
     compute_w  b·n + d·n(c + n/2) + e·(c + n) with w's own fitted coefficients (its engine
-               cost model, TECHNIQUES §3), n uncached prompt tokens after c cached ones
+               cost model, ``engine.cost_model``), n uncached prompt tokens after c cached ones
     steps_w·a  the per-step cost over the steps queue + request take at w's step time
                budget (ceil(work / budget); one step without a budget)
     load(c)    stored prefix blocks × kv_block_bytes / kv_load_bytes_per_s
@@ -39,7 +39,7 @@ blocks = prompt blocks not overlapping the cache, potential active blocks = bloc
 request's), with the stored prefix as the overlap (every worker can load it; 0 without a
 kvindex) and the worker's queued prefill tokens counted as prefill blocks. Ties go round robin.
 
-Decode (TECHNIQUES §4): among decode workers whose free KV holds the request (prompt +
+Decode: among decode workers whose free KV holds the request (prompt +
 ``decode_reserve_tokens`` of output, plus what was sent them since their report), the lowest
 ``(kv_used + sent + need) / capacity + decode_active_weight · requests / decode_max_seqs``;
 never one beyond capacity (none fits: None, and prefill hands off to the queue group, where a
@@ -66,6 +66,7 @@ from deepinfer.protocol import LoadReport
 PREFILL_POLICIES = ("predicted", "round_robin", "least_loaded", "dynamo")
 BIAS_WINDOW = 64  # recent requests whose TTFT prediction errors ``ttft_bias_s`` takes the median of
 BIAS_MIN_SAMPLES = 8
+BIAS_MAX_AGE_S = 30.0  # an error older than this no longer counts (first tokens, seconds)
 MAX_COMPUTING = 4096  # prompts per worker remembered as being computed (oldest dropped beyond)
 
 
@@ -166,7 +167,7 @@ class _Sent:
 
 
 def piece_cost(r: LoadReport, n: int, c: int) -> float:
-    """Seconds worker ``r`` predicts for computing n tokens after c cached ones (TECHNIQUES §3)."""
+    """Seconds worker ``r`` predicts for computing n tokens after c cached ones (its step cost model)."""
     return r.cost_b * n + r.cost_d * n * (c + n / 2) + r.cost_e * (c + n)
 
 
@@ -246,7 +247,8 @@ class Router:
         self._awaiting: dict[str, dict[str, float]] = {}
         self._computing = InflightPrefixes()  # prompts booked or accepted, until their first token
         self._turn = 0  # round robin and tie-breaking
-        self._errors: deque[float] = deque(maxlen=BIAS_WINDOW)  # measured - predicted TTFT, s
+        # (when, measured - predicted TTFT), seconds
+        self._errors: deque[tuple[float, float]] = deque(maxlen=BIAS_WINDOW)
 
     # --- the request ---------------------------------------------------------------------
     def hash_params(self) -> tuple[str, int] | None:
@@ -374,19 +376,25 @@ class Router:
             waiting.pop(plan.request_id, None)
         self._computing.remove(plan.request_id)
         if arrived and plan.started_at is not None and plan.predicted_ttft_s is not None:
-            self._errors.append(self.clock() - plan.started_at - plan.waited_s - plan.predicted_ttft_s)
+            now = self.clock()
+            self._errors.append((now, now - plan.started_at - plan.waited_s - plan.predicted_ttft_s))
             plan.started_at = None
 
     def ttft_bias_s(self) -> float:
         """How much later than predicted first tokens arrive here, seconds (>= 0): the median over
         the last ``BIAS_WINDOW`` requests of measured TTFT (gateway: routing to first chunk) minus
         predicted. It is what the model leaves out: the gateway's and the network's time, steps
-        slower than the workers' fitted cost models (CPU contention), prefix loads. 0 until
-        ``BIAS_MIN_SAMPLES`` were seen. The median, not a high quantile: the scheduler lets later
-        prompts overtake earlier ones, which spreads the errors both ways around it."""
-        if len(self._errors) < BIAS_MIN_SAMPLES:
+        slower than the workers' fitted cost models (CPU contention), prefix loads. 0 while fewer
+        than ``BIAS_MIN_SAMPLES`` came in the last ``BIAS_MAX_AGE_S``: a bias that refuses every
+        request gets no new samples, so it must age out or it would refuse everything for ever
+        (admission then lets requests in again and measures anew). The median, not a high
+        quantile: the scheduler lets later prompts overtake earlier ones, which spreads the errors
+        both ways around it."""
+        since = self.clock() - BIAS_MAX_AGE_S
+        recent = [error for when, error in self._errors if when >= since]
+        if len(recent) < BIAS_MIN_SAMPLES:
             return 0.0
-        return max(0.0, statistics.median(self._errors))
+        return max(0.0, statistics.median(recent))
 
     def slack(self, worker_id: str) -> float:
         """Seconds until the earliest TTFT deadline among the requests this gateway sent

@@ -1,4 +1,4 @@
-"""Stop strings with hold-back, so streamed text equals non-streamed text (TECHNIQUES §9).
+"""Stop strings with hold-back, so streamed text equals non-streamed text.
 
 Text arrives in pieces; a stop string may straddle two pieces. Each ``add``
 searches only the held-back tail plus the new piece (at most

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from deepinfer.protocol import subjects
 
 DAY_S = 86400.0
-# TECHNIQUES §8: a block expires its class's retention after its last use.
+# A block expires its class's retention after its last use.
 DEFAULT_RETENTION_S = {"agent": 3 * DAY_S, "chat": 7 * DAY_S}
 
 _UNITS_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": DAY_S, "w": 7 * DAY_S}

@@ -6,7 +6,7 @@
   scan). Runs when the index is empty/lost, on an event-id gap and on a
   "cleared" event.
 * ``expire``: a block whose class's retention has passed since its last
-  access (TECHNIQUES §8: agent 3 days, chat 7 days by default) is dropped
+  access (agent 3 days, chat 7 days by default) is dropped
   from the index, then its file is deleted.
 * ``evict_to_capacity``: while the indexed bytes exceed the capacity, the
   least recently used blocks are dropped, then their files deleted.

@@ -16,7 +16,7 @@ Lifecycle of a request in this service:
      stored blocks hold the full layers only; the engine restores the window
      layers' state from its SWA state cache or rebuilds it by bounded replay
      (or recomputes, ``swa_replay`` "exact"): ``TokenChunk.prefix_path`` and
-     the ``prefill.prefix`` span's attributes say which (TECHNIQUES §5).
+     the ``prefill.prefix`` span's attributes say which.
   3. The first token is published on the request's stream subject at once (TTFT).
   4. The prompt's KV blocks are written to the storage tier (also when the first
      token already ended the request: then its full blocks only): full, exact blocks

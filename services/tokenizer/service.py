@@ -6,7 +6,7 @@ Lifecycle of a request in this service:
   2. It waits for one of ``--threads`` worker threads (the event loop keeps
      receiving meanwhile); there ``deepinfer.recipe.ChatRecipe`` renders the
      model's chat template and encodes it, control tokens only from the
-     template (TECHNIQUES §1). ``tokenizers`` releases the GIL and encodes a
+     template. ``tokenizers`` releases the GIL and encodes a
      request's text segments in parallel (Rust threads).
   3. The reply is an ``EncodeChatReply`` with the prompt's token ids (vision-language models:
      each image part rendered by the template as the image token, expanded to the model's

@@ -1,1 +1,1 @@
-"""Vision service: image decoding and the vision encoder, embeddings cached by content hash (issue #11)."""
+"""Vision service: image decoding and the vision encoder, embeddings cached by content hash."""
