@@ -268,8 +268,10 @@ def test_batch_invariant_mode_gives_identical_bits_alone_and_in_a_batch_of_16(mo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_invariant_seeded_sampling_ignores_the_cache_the_chunking_and_the_batch(model_dir, hf, dtype):
     """Seed 7, temperature 1, tokens and logprobs bit for bit: the prompt computed cold, from the
-    prefix cache (only its last partial block computed), cut into 40-token chunks, and next to
-    other requests. With the mode off some of these differ, so the test can tell it works."""
+    prefix cache (only its last partial block computed), cut into 40-token chunks, next to other
+    requests, and resumed on another engine after 4 tokens (a failover: the prompt and those tokens
+    recomputed, the seed's draws for them replayed). With the mode off some of these differ, so the
+    test can tell it works."""
     from deepinfer.models.layers import bf16_gemm_supported
 
     if dtype == "bfloat16" and not bf16_gemm_supported():
@@ -296,7 +298,13 @@ def test_batch_invariant_seeded_sampling_ignores_the_cache_the_chunking_and_the_
         assert chunked_engine.num_steps >= len(p) // 40
         batch = [("batched", p, sp)] + [(f"o{i}", o, dataclasses.replace(sp, seed=i)) for i, o in enumerate(others)]
         batched = run_with_logprobs(LLMEngine(model_dir, EngineConfig(**cfg)), batch)["batched"]
-        return [cold, cached, chunked, batched]
+        resumed_engine = LLMEngine(model_dir, EngineConfig(**cfg))
+        resumed_engine.add_request("resumed", p, sp, output_token_ids=[t for t, *_ in cold[:4]])
+        resumed = cold[:4]
+        while resumed_engine.has_unfinished():
+            for o in resumed_engine.step():
+                resumed += [(t, lp.logprob, tuple(lp.top)) for t, lp in zip(o.new_token_ids, o.logprobs)]
+        return [cold, cached, chunked, batched, resumed]
 
     on = outputs(True)
     assert all(o == on[0] for o in on[1:]), [o == on[0] for o in on[1:]]
