@@ -27,6 +27,8 @@ async def collect(nats_url: str, seconds: float = 2.5) -> dict[str, LoadReport]:
     Raises TimeoutError / OSError / nats errors when NATS cannot be reached within 5 s."""
     import nats
 
+    from deepinfer.mesh.client import nats_servers
+
     reports: dict[str, LoadReport] = {}
 
     async def on_msg(msg):
@@ -39,9 +41,12 @@ async def collect(nats_url: str, seconds: float = 2.5) -> dict[str, LoadReport]:
     async def quiet(_e):  # the failure is raised below; nats-py would also print it
         pass
 
-    # NOTE: nats-py keeps retrying an unreachable server on its own; the timeout bounds it
-    nc = await asyncio.wait_for(nats.connect(nats_url, allow_reconnect=False, connect_timeout=2,
-                                             max_reconnect_attempts=0, error_cb=quiet), timeout=5)
+    # NOTE: nats-py keeps retrying an unreachable server on its own; the timeout bounds it. Each
+    # server of a seed list is tried once (a dead first one does not hide a live second).
+    nc = await asyncio.wait_for(nats.connect(servers=nats_servers(nats_url), allow_reconnect=True,
+                                             connect_timeout=2, max_reconnect_attempts=1,
+                                             reconnect_time_wait=0, dont_randomize=True, error_cb=quiet),
+                                timeout=5)
     try:
         await nc.subscribe(subjects.LOAD_ALL, cb=on_msg)
         await asyncio.sleep(seconds)

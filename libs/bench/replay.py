@@ -54,9 +54,10 @@ class LoadWatcher:
     async def start(self) -> None:
         import nats
 
+        from deepinfer.mesh.client import nats_servers
         from deepinfer.protocol import LoadReport, subjects, unpack
 
-        self._nc = await nats.connect(self.nats_url)
+        self._nc = await nats.connect(servers=nats_servers(self.nats_url))
 
         async def on_report(msg) -> None:
             r = unpack(msg.data, LoadReport)

@@ -65,8 +65,19 @@ class RemoteError(MeshError):
 Handler = Callable[[object], Awaitable[object | None]]
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or a comma-separated seed list of a cluster's
+    servers (``nats://a:4222,nats://b:4222``; nats-py takes a list, not a comma-separated string).
+    Raises ValueError for a setting with no URL in it."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return servers
+
+
 class MeshClient:
-    """One NATS connection. Reconnects forever with a short wait (services outlive NATS restarts)."""
+    """One NATS connection. Reconnects forever with a short wait (services outlive NATS restarts);
+    with several servers (``nats_servers``) it connects to, and fails over to, any that answers."""
 
     def __init__(self, nc: nats.NATS):
         self.nc = nc
@@ -94,7 +105,7 @@ class MeshClient:
             log.info("nats_reconnected")
 
         nc = await nats.connect(
-            url,
+            servers=nats_servers(url),
             name=name,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
