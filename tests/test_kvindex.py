@@ -146,7 +146,7 @@ async def test_lookup_answers_the_longest_stored_prefix_and_counts_hit_tokens(ma
     svc, client, store, _ = await make_index(FakeClock())
     h = chain(4)
     write_blocks(store, h[:3])
-    await client.publish_stored(h[:3], "chat", block_bytes=BLOCK_BYTES, block_tokens=16)
+    client.publish_stored(h[:3], "chat", block_bytes=BLOCK_BYTES, block_tokens=16)
     await applied(svc, 1)
 
     assert await client.lookup(h, "chat", num_tokens=70) == 3  # 48 of 70 tokens cached
@@ -158,7 +158,7 @@ async def test_lookup_answers_the_longest_stored_prefix_and_counts_hit_tokens(ma
     assert health.hit_stats["chat"] == {"lookups": 3, "queried_tokens": 166, "hit_tokens": 80}
     assert health.hit_stats["agent"] == {"lookups": 1, "queried_tokens": 64, "hit_tokens": 0}
 
-    await client.publish_removed([h[1]], "chat")
+    client.publish_removed([h[1]], "chat")
     await applied(svc, 2)
     assert await client.lookup(h, "chat", num_tokens=64) == 1
 
@@ -170,9 +170,39 @@ async def test_client_lookup_is_a_miss_when_no_kvindex_runs(kv_nats):
         t0 = time.monotonic()
         assert await client.lookup(chain(2), "chat", 32) == 0
         assert time.monotonic() - t0 < 1.0
-        assert await client.publish_stored(chain(1), "chat") == 1  # creates the stream; never raises
-        assert await client.publish_stored(chain(1), "chat") == 2
-        assert client.publish_errors == 0
+        assert client.publish_stored(chain(1), "chat") == 1  # creates the stream; never raises
+        assert client.publish_stored(chain(1), "chat") == 2
+        assert await client.flush() and client.publish_errors == 0
+    finally:
+        await mesh.close()
+
+
+async def test_publishing_never_waits_on_jetstream_and_a_full_queue_drops_counted(kv_nats, monkeypatch):
+    """A stalled stream (a leader election, NATS gone) holds up no caller: events queue (their ids
+    taken in call order) and one task sends them in order; beyond the queue's bound the next events
+    are dropped and counted (the kvindex sees their ids as a gap and re-syncs)."""
+    from deepinfer.kvstore import index_client
+
+    monkeypatch.setattr(index_client, "MAX_QUEUED_EVENTS", 3)
+    mesh = await MeshClient.connect(kv_nats, "stalled")
+    try:
+        client = KVIndexClient(mesh, "prefill-stalled", FP)
+        release, sent = asyncio.Event(), []
+
+        async def stalled_publish(subject, data, **kw):
+            await release.wait()
+            sent.append(unpack(data).event_id)
+
+        monkeypatch.setattr(client._js, "publish", stalled_publish)
+        t0 = time.monotonic()
+        ids = [client.publish_stored(chain(1, salt=i), "chat") for i in range(5)]
+        assert ids == [1, 2, 3, 4, 5] and time.monotonic() - t0 < 0.05
+        assert client.dropped_events == 2  # 3 queued, 2 over the bound
+        assert not await client.flush(timeout=0.2)  # still stalled
+        release.set()
+        assert await client.flush(timeout=2)
+        assert sent == [1, 2, 3] and client.publish_errors == 0
+        await client.close()
     finally:
         await mesh.close()
 
@@ -195,7 +225,7 @@ async def test_event_id_gap_triggers_replay_from_the_storage_tier(make_index):
     on_disk_only = chain(2, salt=1)
     write_blocks(store, on_disk_only)  # written while its events were lost
     ghost = chain(1, salt=2)  # indexed, but its file is gone
-    await client.publish_stored(ghost, "chat", BLOCK_BYTES, 16)
+    client.publish_stored(ghost, "chat", BLOCK_BYTES, 16)
     await applied(svc, 1)
     assert await client.lookup(on_disk_only, "chat", 32) == 0
     assert await client.lookup(ghost, "chat", 16) == 1
@@ -204,7 +234,7 @@ async def test_event_id_gap_triggers_replay_from_the_storage_tier(make_index):
     client._next_id += 1  # event 2 never reaches the stream
     kept = chain(1, salt=3)
     write_blocks(store, kept)
-    await client.publish_stored(kept, "chat", BLOCK_BYTES, 16)  # event 3: a gap
+    client.publish_stored(kept, "chat", BLOCK_BYTES, 16)  # event 3: a gap
     await applied(svc, 2)
     await svc.replay_idle()
     assert svc.gaps == 1 and svc.replays == 2
@@ -222,8 +252,8 @@ async def test_retention_expires_each_class_after_last_use_files_and_redis_toget
     agent, chat = chain(2, salt=1), chain(2, salt=2)
     write_blocks(store, agent, "agent")
     write_blocks(store, chat, "chat")
-    await client.publish_stored(agent, "agent", BLOCK_BYTES, 16)
-    await client.publish_stored(chat, "chat", BLOCK_BYTES, 16)
+    client.publish_stored(agent, "agent", BLOCK_BYTES, 16)
+    client.publish_stored(chat, "chat", BLOCK_BYTES, 16)
     await applied(svc, 2)
 
     clock.advance(3 * DAY - 1)
@@ -252,13 +282,13 @@ async def test_capacity_evicts_least_recently_used_files_and_redis_together(make
     b = [chain(1, salt=i)[0] for i in range(4)]
     for i in range(3):
         write_blocks(store, [b[i]])
-        await client.publish_stored([b[i]], "chat", BLOCK_BYTES, 16)
+        client.publish_stored([b[i]], "chat", BLOCK_BYTES, 16)
         await applied(svc, i + 1)
         clock.advance(1)
     assert await client.lookup([b[0]], "chat", 16) == 1  # b0 used again: b1 is now the oldest
     clock.advance(1)
     write_blocks(store, [b[3]])
-    await client.publish_stored([b[3]], "chat", BLOCK_BYTES, 16)
+    client.publish_stored([b[3]], "chat", BLOCK_BYTES, 16)
     await applied(svc, 4)
 
     assert not store.contains(b[1], "chat") and await block_keys(r, svc, "chat", b[1]) == 0

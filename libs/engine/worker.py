@@ -22,6 +22,7 @@ from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
 from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore import BlockStore
+from deepinfer.kvstore.index_client import KVIndexClient
 from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import resolve_model
@@ -51,6 +52,7 @@ class EngineWorker(Service):
         self.num_aborted = 0  # requests stopped here on an abort, since start
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
         self.async_engine: AsyncEngine | None = None
+        self.index: KVIndexClient | None = None  # set up by the prefill / decode service
 
     def start_engine(self) -> None:
         self.async_engine = AsyncEngine(self.engine, self._count_outputs if self.prefill_only else self.on_outputs)
@@ -112,6 +114,8 @@ class EngineWorker(Service):
             if not self.busy():
                 break
             await asyncio.sleep(0.1)
+        if self.index is not None:  # the KV events still queued: the kvindex should hear of those blocks
+            await self.index.close()
 
     async def teardown(self) -> None:
         if self.experts is not None:

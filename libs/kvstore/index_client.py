@@ -13,6 +13,14 @@ counting 1, 2, 3 ... per epoch; a publish that fails is logged and counted
 (``publish_errors``) and its id is skipped, which the kvindex sees as a gap
 and answers by re-syncing from the storage tier.
 
+Publishing never waits on JetStream: ``publish_*`` queue the event (its id
+taken at once, so ids follow the calls' order) and one background task sends
+the queue in order. A queue of ``MAX_QUEUED_EVENTS`` drops the next event
+(counted, ``dropped_events``; its id is a gap as above), so a stalled stream
+(a leader election, NATS down) costs the index a re-sync, never a request's
+time. ``flush`` waits for the queue to be sent (a test's, or a draining
+worker's, last events).
+
 Lives in libs (not services/kvindex) because worker services use it and
 services never import each other.
 """
@@ -42,6 +50,7 @@ log = get_logger(__name__)
 
 KV_EVENTS_MAX_AGE_S = 24 * 3600.0  # events older than this are dropped from the stream (the index re-syncs)
 KV_EVENTS_MAX_BYTES = 256 << 20
+MAX_QUEUED_EVENTS = 10_000  # events waiting to be sent; beyond this new ones are dropped (counted)
 
 
 async def ensure_kv_events_stream(js) -> None:
@@ -82,9 +91,11 @@ class KVIndexClient:
         self.epoch = uuid.uuid4().hex[:16]
         self.subject = subjects.kv_events(worker_id)
         self.publish_errors = 0
+        self.dropped_events = 0
         self.lookup_errors = 0
         self._next_id = 1
-        self._lock = asyncio.Lock()
+        self._queue: asyncio.Queue[KVEvent] = asyncio.Queue()
+        self._sender: asyncio.Task | None = None
         self._js = mesh.nc.jetstream()
 
     async def lookup(self, hashes: list[str], traffic_class: str = "chat", num_tokens: int = 0) -> int:
@@ -110,40 +121,71 @@ class KVIndexClient:
         except (MeshError, ProtocolError):
             return None
 
-    async def publish_stored(self, hashes: list[str], traffic_class: str = "chat", block_bytes: int = 0,
-                             block_tokens: int = 0) -> int:
+    def publish_stored(self, hashes: list[str], traffic_class: str = "chat", block_bytes: int = 0,
+                       block_tokens: int = 0) -> int:
         """Announce blocks written (or found present) under ``traffic_class``; returns the event id."""
-        return await self._publish("stored", block_hashes=list(hashes), traffic_class=traffic_class,
-                                   block_bytes=block_bytes, block_tokens=block_tokens)
+        return self._queue_event("stored", block_hashes=list(hashes), traffic_class=traffic_class,
+                                 block_bytes=block_bytes, block_tokens=block_tokens)
 
-    async def publish_removed(self, hashes: list[str], traffic_class: str = "chat") -> int:
+    def publish_removed(self, hashes: list[str], traffic_class: str = "chat") -> int:
         """Announce blocks gone or corrupt (the index drops them); returns the event id."""
-        return await self._publish("removed", block_hashes=list(hashes), traffic_class=traffic_class)
+        return self._queue_event("removed", block_hashes=list(hashes), traffic_class=traffic_class)
 
-    async def publish_cleared(self) -> int:
-        """Announce that this fingerprint's files changed wholesale (the index re-syncs); returns the event id."""
-        return await self._publish("cleared")
+    def publish_cleared(self) -> int:
+        """Announce that this fingerprint's tier changed wholesale (the index re-syncs); returns the event id."""
+        return self._queue_event("cleared")
 
-    async def _publish(self, kind: str, **fields) -> int:
-        # NOTE: ids are assigned and published under one lock so the stream holds them in order.
-        async with self._lock:
-            event_id = self._next_id
-            self._next_id += 1
-            data = pack(KVEvent(kind=kind, worker_id=self.worker_id, event_id=event_id,
-                                fingerprint=self.fingerprint, epoch=self.epoch, **fields))
-            for attempt in (1, 2):
-                try:
-                    await self._js.publish(self.subject, data, timeout=self.publish_timeout_s,
-                                           stream=subjects.KV_EVENTS_STREAM, headers=inject_headers())
-                    return event_id
-                except Exception as e:  # no stream yet, NATS down, timeout: the index will see a gap
-                    if attempt == 1 and isinstance(e, NoStreamResponseError):
-                        try:
-                            await ensure_kv_events_stream(self._js)
-                            continue
-                        except Exception:
-                            pass
-                    self.publish_errors += 1
-                    log.warning("kv_event_publish_failed", kind=kind, event_id=event_id, error=str(e))
-                    return event_id
+    async def flush(self, timeout: float = 5.0) -> bool:
+        """Wait up to ``timeout`` s until every queued event was sent (or failed); False if not."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued (up to ``timeout`` s), then stop the sender."""
+        await self.flush(timeout)
+        if self._sender is not None:
+            self._sender.cancel()
+            self._sender = None
+
+    def _queue_event(self, kind: str, **fields) -> int:
+        event_id = self._next_id
+        self._next_id += 1
+        if self._queue.qsize() >= MAX_QUEUED_EVENTS:
+            self.dropped_events += 1
+            if self.dropped_events == 1 or self.dropped_events % 1000 == 0:
+                log.warning("kv_event_dropped", kind=kind, event_id=event_id, dropped=self.dropped_events)
+            return event_id
+        self._queue.put_nowait(KVEvent(kind=kind, worker_id=self.worker_id, event_id=event_id,
+                                       fingerprint=self.fingerprint, epoch=self.epoch, **fields))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send_queued())
         return event_id
+
+    async def _send_queued(self) -> None:
+        while True:
+            event = await self._queue.get()
+            try:
+                await self._send(event)
+            finally:
+                self._queue.task_done()
+
+    async def _send(self, event: KVEvent) -> None:
+        data = pack(event)
+        for attempt in (1, 2):
+            try:
+                await self._js.publish(self.subject, data, timeout=self.publish_timeout_s,
+                                       stream=subjects.KV_EVENTS_STREAM, headers=inject_headers())
+                return
+            except Exception as e:  # no stream yet, NATS down, timeout: the index will see a gap
+                if attempt == 1 and isinstance(e, NoStreamResponseError):
+                    try:
+                        await ensure_kv_events_stream(self._js)
+                        continue
+                    except Exception:
+                        pass
+                self.publish_errors += 1
+                log.warning("kv_event_publish_failed", kind=event.kind, event_id=event.event_id, error=str(e))
+                return

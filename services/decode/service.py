@@ -283,7 +283,7 @@ class DecodeService(EngineWorker):
                 self.io, self.write_blocks, keys, out.kv_blocks, req.traffic_class)
             if stored:
                 part = self.engine.kv_layout.full_part(out.kv_blocks[0])
-                await self.index.publish_stored(stored, req.traffic_class, part.numel() * part.element_size(), bs)
+                self.index.publish_stored(stored, req.traffic_class, part.numel() * part.element_size(), bs)
         except Exception as e:
             log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
 

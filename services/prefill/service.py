@@ -235,7 +235,7 @@ class PrefillService(EngineWorker):
                               cfg.head_dim, dtype=e.runner.kv_cache.dtype)
         got = await self.async_store.read_prefix_into(keys, req.traffic_class, staging)
         if got < len(keys):  # the index named a block the tier no longer has (or a corrupt one)
-            await self.index.publish_removed([keys[got]], req.traffic_class)
+            self.index.publish_removed([keys[got]], req.traffic_class)
         if got:
             got = await self.async_engine.call(e.load_prefix, keys[:got], staging[:got])
             self.num_loaded_blocks += got
@@ -369,15 +369,14 @@ class PrefillService(EngineWorker):
                 self.io, lambda: next((i for i, k in enumerate(keys) if not self.store.contains(k, "chat")), len(keys)))
             stored = keys[:n]
             if stored:
-                self.spawn(self.index.publish_stored(stored, "chat", self.engine.block_bytes,
-                                                     self.engine.config.block_size))
+                self.index.publish_stored(stored, "chat", self.engine.block_bytes, self.engine.config.block_size)
             return stored, []
         keys, window_keys, stored = await asyncio.get_running_loop().run_in_executor(
             self.io, self.store_blocks, req, out)
         if stored:
             block = self.engine.kv_layout.full_part(out.kv_blocks[0])
             block_bytes = block.numel() * block.element_size()
-            self.spawn(self.index.publish_stored(stored, req.traffic_class, block_bytes, self.engine.config.block_size))
+            self.index.publish_stored(stored, req.traffic_class, block_bytes, self.engine.config.block_size)
         return keys, window_keys
 
     def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str], list[str]]:
