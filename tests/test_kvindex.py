@@ -24,7 +24,7 @@ from deepinfer.kvindex.service import KVIndexService
 from deepinfer.kvstore import BlockStore, KVIndexClient, block_hashes
 from deepinfer.launcher import start_nats, start_redis
 from deepinfer.mesh import MeshClient
-from deepinfer.protocol import KVEvent, KVIndexHealth, KVLookupRequest, pack, unpack
+from deepinfer.protocol import KVEvent, KVIndexHealth, KVLookupRequest, pack, subjects, unpack
 
 FP = "fp0123456789abcd"
 DAY = 86400.0
@@ -205,6 +205,28 @@ async def test_publishing_never_waits_on_jetstream_and_a_full_queue_drops_counte
         await client.close()
     finally:
         await mesh.close()
+
+
+async def test_a_lost_events_stream_is_created_again_and_the_index_resyncs(make_index, monkeypatch):
+    """The events stream deleted under a running kvindex (a JetStream reset): its consumer is found
+    gone, both are created again, the index re-syncs from the files (what the lost stream held is
+    lost) and takes new events, instead of silently taking none."""
+    from deepinfer.kvindex import service as kvindex_service
+
+    monkeypatch.setattr(kvindex_service, "CONSUMER_CHECK_S", 0.2)
+    svc, client, store, _ = await make_index(FakeClock())
+    first, lost, after = chain(1, salt=1), chain(1, salt=2), chain(1, salt=3)
+    write_blocks(store, first)
+    client.publish_stored(first, "chat", BLOCK_BYTES, 16)
+    await applied(svc, 1)
+    await client.mesh.nc.jetstream().delete_stream(subjects.KV_EVENTS_STREAM)
+    write_blocks(store, lost)  # its event went nowhere: the stream was gone (the file is there)
+    await eventually(lambda: _ge(svc.consumer_recreated, 1))
+    await svc.replay_idle()
+    assert await client.lookup(lost, "chat", 16) == 1  # found by the re-sync
+    write_blocks(store, after)
+    client.publish_stored(after, "chat", BLOCK_BYTES, 16)  # into the stream created again
+    await eventually(lambda: client.lookup(after, "chat", 16))
 
 
 # ----------------------------------------------------------- re-sync from the storage tier

@@ -10,7 +10,8 @@ Lifecycle of what this service handles:
      drops them, "cleared" re-syncs the fingerprint from the files. A gap in
      the ids also re-syncs (``maintenance.replay``). The event is acked once
      applied; while Redis is down nothing is fetched, so events wait in the
-     stream.
+     stream. A consumer (or stream) found gone is created again and the index
+     re-synced (``_heal_events``).
   2. Lookups. ``deepinfer.kvindex.lookup`` (queue group ``kvindex``):
      ``KVLookupRequest(hashes, class, num_tokens)`` -> ``KVLookupReply`` with
      the longest prefix of ``hashes`` whose blocks are all indexed under that
@@ -38,6 +39,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 from opentelemetry import trace
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -70,6 +72,7 @@ from deepinfer.protocol import (
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
+CONSUMER_CHECK_S = 5.0  # idle fetching this long: check that the events consumer still exists
 
 _REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 EVENT_KINDS = ("stored", "removed", "cleared")
@@ -90,6 +93,7 @@ class KVIndexService(Service):
         self.events_applied = 0
         self.gaps = 0
         self.replays = 0
+        self.consumer_recreated = 0  # times the events consumer (or its stream) was found gone
         self.lookup_timeouts = 0
         self._tasks: list[asyncio.Task] = []
         self._replay_lock = asyncio.Lock()
@@ -279,31 +283,66 @@ class KVIndexService(Service):
                 log.exception("kv_sweep_failed")
 
     async def _consume_events(self) -> None:
+        """Fetch and apply events for as long as the service runs. The pull subscription heals
+        itself: every ``CONSUMER_CHECK_S`` of fetches that found nothing, and after a fetch error,
+        the durable consumer is looked up, and if it (or its stream) is gone, both are created
+        again and the index re-synced from the files, since the events in the lost stream are gone
+        too. (A fetch from a deleted consumer only times out: without the check the index would
+        silently take no more events.)"""
         js = self.mesh.nc.jetstream()
-        while not self._stopping:
-            try:
-                await ensure_kv_events_stream(js)
-                psub = self._events_sub = await js.pull_subscribe(
-                    subjects.KV_EVENTS_ALL, durable=self.config.durable, stream=subjects.KV_EVENTS_STREAM)
-                break
-            except Exception as e:  # JetStream not reachable yet
-                log.warning("kv_events_subscribe_failed", error=str(e))
-                await asyncio.sleep(1.0)
-        else:
-            return
-        while not self._stopping:
+        psub = await self._subscribe_events(js)
+        checked = time.monotonic()
+        while psub is not None and not self._stopping:
             if not self.redis_ok:
                 await asyncio.sleep(0.2)
                 continue
             try:
                 msgs = await psub.fetch(batch=64, timeout=1.0)
             except (NatsTimeout, asyncio.TimeoutError):
+                if time.monotonic() - checked >= CONSUMER_CHECK_S:
+                    checked = time.monotonic()
+                    psub = await self._heal_events(js, psub)
                 continue
-            except Exception as e:  # NATS reconnecting
+            except Exception as e:  # NATS reconnecting, or the consumer is gone
                 log.debug("kv_events_fetch_failed", error=str(e))
                 await asyncio.sleep(0.5)
+                psub = await self._heal_events(js, psub)
                 continue
             await self._apply_batch(msgs)
+
+    async def _subscribe_events(self, js):
+        """The pull subscription on the events stream (both created when missing), retried every
+        second until JetStream answers; None once the service stops."""
+        while not self._stopping:
+            try:
+                await ensure_kv_events_stream(js)
+                self._events_sub = await js.pull_subscribe(
+                    subjects.KV_EVENTS_ALL, durable=self.config.durable, stream=subjects.KV_EVENTS_STREAM)
+                return self._events_sub
+            except Exception as e:  # JetStream not reachable yet
+                log.warning("kv_events_subscribe_failed", error=str(e))
+                await asyncio.sleep(1.0)
+        return None
+
+    async def _heal_events(self, js, psub):
+        """``psub`` if its consumer still exists (or JetStream cannot tell now), else a new one."""
+        try:
+            await js.consumer_info(subjects.KV_EVENTS_STREAM, self.config.durable)
+            return psub
+        except NotFoundError:
+            pass
+        except Exception as e:  # NATS reconnecting: look again later
+            log.debug("kv_events_consumer_check_failed", error=str(e))
+            return psub
+        log.warning("kv_events_consumer_lost", stream=subjects.KV_EVENTS_STREAM, durable=self.config.durable)
+        try:
+            await psub.unsubscribe()
+        except Exception:
+            pass
+        psub = await self._subscribe_events(js)
+        self.request_replay(None)  # what the lost stream held is lost: re-sync from the files
+        self.consumer_recreated += 1
+        return psub
 
     async def _apply_batch(self, msgs) -> None:
         for i, msg in enumerate(msgs):
