@@ -46,3 +46,56 @@ def test_clients_connect_through_a_seed_list_whose_first_server_is_down():
         assert list(asyncio.run(run())) == ["p-1"]
     finally:
         live.stop()
+
+
+def test_stream_replicas_come_from_the_flag_or_the_environment(monkeypatch):
+    from deepinfer.mesh import stream_replicas
+    from deepinfer.mesh.args import service_parser
+
+    monkeypatch.delenv("DEEPINFER_STREAM_REPLICAS", raising=False)
+    assert stream_replicas() == 1
+    monkeypatch.setenv("DEEPINFER_STREAM_REPLICAS", "3")
+    assert stream_replicas() == 3
+    monkeypatch.setenv("DEEPINFER_STREAM_REPLICAS", "two")
+    with pytest.raises(ValueError, match="DEEPINFER_STREAM_REPLICAS"):
+        stream_replicas()
+    service_parser("kvindex", "").parse_args(["--stream-replicas", "5"])
+    assert stream_replicas() == 5
+    with pytest.raises(SystemExit):
+        service_parser("kvindex", "").parse_args(["--stream-replicas", "0"])
+
+
+def test_the_events_stream_gets_the_replicas_asked_and_an_existing_one_is_kept_with_a_warning(monkeypatch):
+    """Created with ``stream_replicas()`` replicas; one that exists with another count is kept (an
+    operator's decision) and named in a warning. More replicas than servers cannot be created."""
+    from structlog.testing import capture_logs
+
+    from deepinfer.kvstore import index_client
+
+    server = start_nats(Path(tempfile.mkdtemp(prefix="nats-replicas-")))
+
+    async def run():
+        mesh = await MeshClient.connect(server.url, name="t")
+        js = mesh.nc.jetstream()
+        try:
+            monkeypatch.setenv("DEEPINFER_STREAM_REPLICAS", "3")
+            with pytest.raises(Exception):  # one server: no room for 3 replicas
+                await index_client.ensure_kv_events_stream(js)
+            monkeypatch.setenv("DEEPINFER_STREAM_REPLICAS", "1")
+            await index_client.ensure_kv_events_stream(js)
+            info = await js.stream_info(subjects.KV_EVENTS_STREAM)
+            assert info.config.num_replicas == 1
+            monkeypatch.setenv("DEEPINFER_STREAM_REPLICAS", "3")
+            monkeypatch.setattr(index_client, "_warned_replicas", set())
+            with capture_logs() as logs:
+                await index_client.ensure_kv_events_stream(js)
+            assert [e for e in logs if e["event"] == "jetstream_replicas_differ"] == [
+                {"event": "jetstream_replicas_differ", "log_level": "warning", "stream": subjects.KV_EVENTS_STREAM,
+                 "replicas": 1, "wanted": 3}]
+        finally:
+            await mesh.nc.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()

@@ -33,7 +33,7 @@ import uuid
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import NoStreamResponseError, NotFoundError
 
-from deepinfer.mesh.client import MeshClient, MeshError
+from deepinfer.mesh.client import MeshClient, MeshError, stream_replicas
 from deepinfer.protocol import (
     KVEvent,
     KVIndexHealth,
@@ -54,23 +54,37 @@ MAX_QUEUED_EVENTS = 10_000  # events waiting to be sent; beyond this new ones ar
 
 
 async def ensure_kv_events_stream(js) -> None:
-    """Create the KV events stream if it does not exist (idempotent; an existing one is kept as is).
+    """Create the KV events stream if it does not exist, with ``stream_replicas()`` replicas
+    (idempotent; an existing one is kept as is, with a warning when its replica count differs).
 
     ``js``: a nats-py JetStream context. Raises nats errors when JetStream is
-    unavailable.
+    unavailable (or has fewer servers than the replicas asked for).
     """
+    replicas = stream_replicas()
     try:
-        await js.stream_info(subjects.KV_EVENTS_STREAM)
+        info = await js.stream_info(subjects.KV_EVENTS_STREAM)
+        _check_replicas(subjects.KV_EVENTS_STREAM, info.config.num_replicas, replicas)
         return
     except NotFoundError:
         pass
     config = StreamConfig(name=subjects.KV_EVENTS_STREAM, subjects=[subjects.KV_EVENTS_ALL],
-                          storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+                          storage=StorageType.FILE, discard=DiscardPolicy.OLD, num_replicas=replicas,
                           max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES)
     try:
         await js.add_stream(config)
     except Exception:  # created by another process meanwhile? then it exists now
         await js.stream_info(subjects.KV_EVENTS_STREAM)
+
+
+_warned_replicas: set[str] = set()
+
+
+def _check_replicas(name: str, have: int | None, want: int) -> None:
+    """Warn (once per stream and process) that an existing stream has another replica count: it is
+    kept, since changing it is an operator's decision (``nats stream edit``)."""
+    if (have or 1) != want and name not in _warned_replicas:
+        _warned_replicas.add(name)
+        log.warning("jetstream_replicas_differ", stream=name, replicas=have or 1, wanted=want)
 
 
 class KVIndexClient:

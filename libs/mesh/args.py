@@ -29,10 +29,23 @@ def env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
 
 
+class _ToEnvironment(argparse.Action):
+    """Stores the option's value in the process environment (``dest`` names the variable), where
+    every part of the service that needs it reads it (``mesh.client.stream_replicas``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values < 1:
+            parser.error(f"{option_string} must be at least 1")
+        os.environ[self.dest] = str(values)
+
+
 def service_parser(role: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"deepinfer serve {role}", description=description)
     p.add_argument("--nats", "--nats-url", dest="nats", default=os.environ.get("DEEPINFER_NATS_URL", "nats://127.0.0.1:4222"),
-                   help="NATS URL (env DEEPINFER_NATS_URL)")
+                   help="NATS URL, or a comma-separated seed list of a cluster's servers (env DEEPINFER_NATS_URL)")
+    p.add_argument("--stream-replicas", dest="DEEPINFER_STREAM_REPLICAS", type=int, action=_ToEnvironment,
+                   help="replicas of the JetStream streams and buckets this service creates (env "
+                        "DEEPINFER_STREAM_REPLICAS; default 1: one server; 3 in a 3-server cluster)")
     p.add_argument("--model", default=os.environ.get("DEEPINFER_MODEL"),
                    help="Hugging Face-format model directory (env DEEPINFER_MODEL; default: the embedded SmolLM2)")
     p.add_argument("--worker-id", default=None, help="unique id of this replica (default: random)")

@@ -16,6 +16,7 @@ requester to time out (a reply's size follows from its request, e.g. the ids of 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Awaitable, Callable
 
@@ -73,6 +74,16 @@ def nats_servers(url: str) -> list[str]:
     if not servers:
         raise ValueError(f"no NATS server URL in {url!r}")
     return servers
+
+
+def stream_replicas() -> int:
+    """Replicas of the JetStream streams and key-value buckets the mesh creates:
+    ``DEEPINFER_STREAM_REPLICAS`` (``--stream-replicas``), default 1. Raises ValueError for a
+    value that is not a positive integer."""
+    value = os.environ.get("DEEPINFER_STREAM_REPLICAS", "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"DEEPINFER_STREAM_REPLICAS={value!r}: expected a positive integer")
+    return int(value)
 
 
 class MeshClient:

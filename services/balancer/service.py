@@ -36,8 +36,10 @@ import os
 import time
 from typing import Callable
 
+from nats.js.errors import BucketNotFoundError
+
 from deepinfer.balancer.tracker import BalancerConfig, ExpertLoad
-from deepinfer.mesh import Service, run_service
+from deepinfer.mesh import Service, run_service, stream_replicas
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import (BalancerStatus, BalancerStatusRequest, ExpertPlacementUpdate, ExpertStats, pack,
@@ -148,7 +150,10 @@ class BalancerService(Service):
         """The KV bucket of latest placements (created if missing); None without JetStream."""
         js = self.mesh.nc.jetstream()
         try:
-            return await js.create_key_value(bucket=subjects.EXPERTS_BUCKET, history=1)
+            try:  # an existing bucket is kept as it is (its replicas an operator's choice)
+                return await js.key_value(subjects.EXPERTS_BUCKET)
+            except BucketNotFoundError:
+                return await js.create_key_value(bucket=subjects.EXPERTS_BUCKET, history=1, replicas=stream_replicas())
         except Exception as e:
             log.warning("expert_bucket_unavailable", error=str(e))
             return None
