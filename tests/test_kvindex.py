@@ -229,6 +229,22 @@ async def test_a_lost_events_stream_is_created_again_and_the_index_resyncs(make_
     await eventually(lambda: client.lookup(after, "chat", 16))
 
 
+async def test_a_block_reported_damaged_is_deleted_by_the_kvindex_only_if_it_still_is(make_index):
+    """A worker that failed to verify a block reports it removed; the kvindex reads the file again
+    and deletes it if still damaged, and keeps it if it now reads well (the worker saw a stale
+    version, or another host rewrote it)."""
+    svc, client, store, _ = await make_index(FakeClock())
+    damaged, fine = chain(1, salt=7), chain(1, salt=8)
+    write_blocks(store, damaged + fine)
+    path = store.path(damaged[0], "chat")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    client.publish_removed(damaged + fine, "chat")
+    await applied(svc, 1)
+    assert not path.exists() and store.path(fine[0], "chat").exists()
+
+
 # ----------------------------------------------------------- re-sync from the storage tier
 
 

@@ -110,16 +110,25 @@ def _damage(path, how):
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "trailing", "header"])
-def test_damaged_block_is_a_miss_counted_and_dropped(tmp_path, how):
+def test_damaged_block_is_a_miss_counted_left_in_place_and_replaced_by_the_next_writer(tmp_path, how):
+    """A reader never deletes what it failed to verify (on a shared file system it may have seen a
+    stale version of a file another host has replaced): the block is a miss, counted, and this
+    store's ``contains`` says it is absent, so its next writer replaces it; a store made to drop
+    damaged files (the kvindex's) deletes it."""
     store = BlockStore(tmp_path, "fp")
-    store.put("cd34", torch.randn(4, 8))
+    block = torch.randn(4, 8)
+    store.put("cd34", block)
     path = store.path("cd34", "chat")
     _damage(path, how)
     assert store.read_into("cd34", "chat", torch.empty(4, 8)) is False
     s = store.stats.snapshot()
     assert (s["misses"], s["corrupt"], s["hits"]) == (1, 1, 0)
-    assert not path.exists()  # dropped, so the next writer replaces it
-    assert store.get("cd34") is None
+    assert path.exists() and not store.contains("cd34", "chat")
+    assert BlockStore(tmp_path, "fp").contains("cd34", "chat")  # another process has not read it
+    store.put("cd34", block)
+    assert store.contains("cd34", "chat") and torch.equal(store.get("cd34"), block)
+    _damage(path, how)
+    assert BlockStore(tmp_path, "fp", drop_corrupt=True).get("cd34") is None and not path.exists()
 
 
 def test_missing_wrong_shape_wrong_dtype_and_other_fingerprint_are_misses(tmp_path):

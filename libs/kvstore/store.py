@@ -73,16 +73,25 @@ class BlockStore:
     """The storage tier for one model fingerprint under ``root``.
 
     ``stats`` counts reads, hits, misses and bytes (``StoreStats``).
-    ``drop_corrupt``: delete a block file that fails verification as damaged.
+
+    A block that fails verification as damaged is a miss, and is not deleted: on a shared file
+    system whose views are only eventually consistent, the reader may have seen a stale or partial
+    version of a file another host has since replaced with a valid one, and deleting by path would
+    remove that. The key is remembered as suspect instead: ``contains`` then says it is absent, so
+    this process's next writer of the block replaces it (an atomic rename of a whole, valid file,
+    harmless whatever another host wrote meanwhile), and the kvindex, told by a "removed" event,
+    checks the file again and deletes it if it is still damaged (``drop_corrupt``: a store that
+    deletes such files itself, the kvindex's).
     """
 
-    def __init__(self, root: str | Path, fingerprint: str, drop_corrupt: bool = True):
+    def __init__(self, root: str | Path, fingerprint: str, drop_corrupt: bool = False):
         self.root = Path(root)
         self.fingerprint = check_name(fingerprint, "fingerprint")
         self.base = self.root / fingerprint
         self._base = str(self.base)
         self.drop_corrupt = drop_corrupt
         self.stats = StoreStats()
+        self._suspect: set[tuple[str, str]] = set()  # (class, key) read as damaged here, not rewritten yet
 
     def path(self, key: str, retention_class: str) -> Path:
         """The block's file path. Raises ValueError when key or class is not [A-Za-z0-9_-]+."""
@@ -123,6 +132,7 @@ class BlockStore:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)
+            self._suspect.discard((retention_class, key))
         except OSError:
             self.stats.add(write_errors=1)
             if tmp is not None:
@@ -191,6 +201,8 @@ class BlockStore:
                     os.unlink(path)
                 except OSError:
                     pass
+            elif e.corrupt:
+                self._suspect.add((retention_class, key))
             return None
         except OSError:  # vanished or unreadable mid-read (e.g. a shared FS hiccup)
             self.stats.add(reads=1, misses=1)
@@ -226,8 +238,8 @@ class BlockStore:
 
     # --- other ---------------------------------------------------------------
     def contains(self, key: str, retention_class: str = "chat") -> bool:
-        """Whether the block's file exists (not verified)."""
-        return self.path(key, retention_class).is_file()
+        """Whether the block's file exists (not verified), and was not read as damaged here."""
+        return (retention_class, key) not in self._suspect and self.path(key, retention_class).is_file()
 
     def delete(self, key: str, retention_class: str = "chat") -> bool:
         """Remove the block's file; True if it existed. OSError other than 'missing' propagates."""

@@ -54,6 +54,7 @@ from deepinfer.kvindex.config import (
     parse_size,
 )
 from deepinfer.kvindex.index import RedisIndex, classify_event_id
+from deepinfer.kvstore import BlockStore
 from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME
 from deepinfer.kvstore.index_client import ensure_kv_events_stream
 from deepinfer.mesh import Service, run_service
@@ -171,6 +172,8 @@ class KVIndexService(Service):
                 await self.enforce_capacity()
         elif ev.kind == "removed" and cls_ok:
             await self.index.remove([(ev.traffic_class, h) for h in hashes])
+            if SAFE_NAME.fullmatch(ev.fingerprint or ""):
+                await asyncio.to_thread(self._drop_damaged, ev.fingerprint, ev.traffic_class, hashes)
         elif ev.kind == "cleared":
             self.request_replay(ev.fingerprint or None)
         else:
@@ -184,6 +187,16 @@ class KVIndexService(Service):
         return status
 
     # --- maintenance ----------------------------------------------------------------
+    def _drop_damaged(self, fingerprint: str, traffic_class: str, hashes: list[str]) -> None:
+        """Read the files a worker reported gone or damaged once more, here, and delete those still
+        damaged (a worker never deletes what it failed to verify: ``BlockStore``); a file that now
+        reads well (rewritten meanwhile, or the worker's view was stale) is kept."""
+        store = BlockStore(self.config.kv_root, fingerprint, drop_corrupt=True)
+        for h in hashes:
+            if store.contains(h, traffic_class) and store.get(h, traffic_class) is None:
+                log.info("kv_block_damaged", fingerprint=fingerprint, traffic_class=traffic_class, block=h,
+                         deleted=not store.path(h, traffic_class).exists())
+
     async def replay(self, fingerprint: str | None = None) -> maintenance.ReplayResult:
         """Re-sync the index with the storage tier now (one fingerprint or all); marks the index ready."""
         async with self._replay_lock:

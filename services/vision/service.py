@@ -197,8 +197,8 @@ class VisionService(Service):
 
     def stored(self, h: str) -> bool:
         """Whether the tier holds image ``h``'s embeddings whole: read and verified as prefill will
-        read them (the block file's checksum, then the shape). A damaged file (deleted by the
-        store) or a misshapen one is a miss, so the image is encoded and written again."""
+        read them (the block file's checksum, then the shape). A damaged or misshapen file is a
+        miss, so the image is encoded and written again (the write replaces the file)."""
         path = self.store.path(h, EMBEDDINGS_CLASS)
         if not path.exists():
             return False
