@@ -22,6 +22,8 @@ from deepinfer.kvindex.config import IndexConfig, parse_duration, parse_retentio
 from deepinfer.kvindex.index import classify_event_id
 from deepinfer.kvindex.service import KVIndexService
 from deepinfer.kvstore import BlockStore, KVIndexClient, block_hashes
+from deepinfer.kvstore.format import EPHEMERAL
+from deepinfer.kvstore.store import ephemeral_key
 from deepinfer.launcher import start_nats, start_redis
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import KVEvent, KVIndexHealth, KVLookupRequest, pack, subjects, unpack
@@ -312,6 +314,26 @@ async def test_retention_expires_each_class_after_last_use_files_and_redis_toget
     assert (await svc.sweep())["expired"] == 1
     assert not store.contains(chat[0], "chat") and await block_keys(r, svc, "chat", chat[0]) == 0
     assert (await client.health()).total_bytes == 0
+
+
+async def test_the_sweep_removes_old_ephemeral_blocks_and_temporary_files_of_dead_writers(make_index):
+    """An ephemeral block decode never picked up, and a ``.tmp-`` file a writer killed mid-write left,
+    are deleted once older than ``ephemeral_ttl_s``; younger ones (a write in progress) are kept."""
+    clock = FakeClock()
+    svc, _, store, _ = await make_index(clock, ephemeral_ttl_s=3600.0)
+    store.put(ephemeral_key("req-1", 0), BLOCK, EPHEMERAL, num_tokens=16)
+    store.put(ephemeral_key("req-2", 0), BLOCK, EPHEMERAL, num_tokens=16)
+    old_eph = store.path(ephemeral_key("req-1", 0), EPHEMERAL)
+    young_eph = store.path(ephemeral_key("req-2", 0), EPHEMERAL)
+    shard = store.path(chain(1)[0], "chat").parent
+    shard.mkdir(parents=True, exist_ok=True)
+    old_tmp, young_tmp = shard / ".tmp-dead", shard / ".tmp-writing"
+    old_tmp.write_bytes(b"half a block")
+    young_tmp.write_bytes(b"a block being written")
+    for path, age in ((old_eph, 7200), (young_eph, 60), (old_tmp, 7200), (young_tmp, 60)):
+        os.utime(path, (clock.t - age, clock.t - age))
+    assert (await svc.sweep())["ephemeral"] == 2
+    assert not old_eph.exists() and not old_tmp.exists() and young_eph.exists() and young_tmp.exists()
 
 
 async def test_capacity_evicts_least_recently_used_files_and_redis_together(make_index):

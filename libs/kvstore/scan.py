@@ -97,3 +97,21 @@ def ephemeral_files(root: str | Path) -> Iterator[tuple[Path, float]]:
                     yield Path(e.path), e.stat().st_mtime
                 except OSError:
                     continue
+
+
+def temp_files(root: str | Path) -> Iterator[tuple[Path, float]]:
+    """``(path, mtime)`` of every temporary file of a block write (``.tmp-*``, renamed into place
+    when whole) under ``root``, in every class: one a killed writer left stays until swept by age."""
+    for fp in fingerprints(root):
+        for cls_dir in _subdirs(Path(root) / fp):
+            for shard in _subdirs(cls_dir):
+                try:
+                    entries = list(os.scandir(shard))
+                except OSError:
+                    continue
+                for e in entries:
+                    if e.name.startswith(".tmp-"):
+                        try:
+                            yield Path(e.path), e.stat().st_mtime
+                        except OSError:
+                            continue

@@ -27,7 +27,8 @@ class IndexConfig:
     blocks are deleted (0 = no limit).
     sweep_interval_s: seconds between retention / capacity / orphan sweeps.
     ephemeral_ttl_s: age after which an ephemeral block file (a request's
-    partial block that decode never picked up) is deleted.
+    partial block that decode never picked up), or a temporary file of a block
+    write that never finished, is deleted.
     default_block_tokens: tokens per block when neither the event nor the
     file header says.
     redis_prefix: prefix of every Redis key of this index.

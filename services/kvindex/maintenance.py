@@ -11,7 +11,8 @@
 * ``evict_to_capacity``: while the indexed bytes exceed the capacity, the
   least recently used blocks are dropped, then their files deleted.
 * ``remove_orphan_ephemeral``: ephemeral block files older than a TTL (a
-  decode that never came) are deleted.
+  decode that never came), and temporary files of block writes older than it
+  (a writer killed mid-write), are deleted.
 
 Index entries go first, files second: a reader that races the deletion
 misses on the file and recomputes (a miss, never an error); a crash between
@@ -22,13 +23,14 @@ File-system work runs on a thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer.kvindex.index import NewBlock, RedisIndex, Removed
 from deepinfer.kvstore.format import block_path
-from deepinfer.kvstore.scan import ephemeral_files, scan_blocks
+from deepinfer.kvstore.scan import ephemeral_files, scan_blocks, temp_files
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -142,7 +144,7 @@ async def evict_to_capacity(index: RedisIndex, root: str, capacity_bytes: int) -
 
 def _remove_old_ephemeral(root: str, cutoff: float) -> int:
     n = 0
-    for path, mtime in ephemeral_files(root):
+    for path, mtime in itertools.chain(ephemeral_files(root), temp_files(root)):
         if mtime <= cutoff:
             try:
                 os.unlink(path)
@@ -153,5 +155,6 @@ def _remove_old_ephemeral(root: str, cutoff: float) -> int:
 
 
 async def remove_orphan_ephemeral(root: str | Path, ttl_s: float, now: float) -> int:
-    """Delete ephemeral block files written ``ttl_s`` or more before ``now``; returns how many."""
+    """Delete ephemeral block files, and temporary files of block writes, written ``ttl_s`` or more
+    before ``now``; returns how many."""
     return await asyncio.to_thread(_remove_old_ephemeral, str(root), now - ttl_s)
