@@ -57,15 +57,18 @@ async def collect(nats_url: str, seconds: float = 2.5) -> dict[str, LoadReport]:
 
 def format_table(reports: dict[str, LoadReport]) -> str:
     """One line per worker, by role: state, running / waiting requests, KV tokens used /
-    capacity, queued prefill (tokens, predicted seconds), finished requests."""
-    rows = [("ROLE", "WORKER", "STATE", "RUNNING", "WAITING", "KV USED", "QUEUED PREFILL", "FINISHED", "ENGINE")]
+    capacity, queued prefill (tokens, predicted seconds), finished requests, engine, storage tier
+    (the first 8 characters of its id: a worker whose differs is on another tier)."""
+    rows = [("ROLE", "WORKER", "STATE", "RUNNING", "WAITING", "KV USED", "QUEUED PREFILL", "FINISHED", "ENGINE",
+             "TIER")]
     order = {r: i for i, r in enumerate(ROLE_ORDER)}
     for r in sorted(reports.values(), key=lambda r: (order.get(r.role, len(order)), r.worker_id)):
         kv = (f"{r.kv_tokens_used}/{r.kv_tokens_capacity} ({r.kv_tokens_used / r.kv_tokens_capacity:.0%})"
               if r.kv_tokens_capacity else "-")
         queued = f"{r.queued_prefill_tokens} tok / {r.queued_prefill_s:.2f} s" if r.role == "prefill" else "-"
         rows.append((r.role, r.worker_id, "draining" if r.draining else "live", str(r.active_requests),
-                     str(r.waiting_requests), kv, queued, str(r.finished_requests), r.engine or "-"))
+                     str(r.waiting_requests), kv, queued, str(r.finished_requests), r.engine or "-",
+                     r.tier_id[:8] or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 

@@ -291,3 +291,18 @@ async def test_async_read_prefix_into_counts_the_prefix_across_parallel_runs(tmp
     assert await astore.read_prefix_into(keys[:4], "chat", out) == 4
     assert await astore.read_prefix_into([], "chat", out) == 0
     astore.close()
+
+
+def test_a_tier_has_one_identity_however_many_look_at_once(tmp_path):
+    """Every process that looks at a root gets the same id, also when they look at once (the first
+    write wins); another root is another tier."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer.kvstore.store import tier_id
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(lambda _: tier_id(tmp_path / "shared"), range(32)))
+    assert len(ids) == 1 and len(ids.pop()) == 32
+    assert BlockStore(tmp_path / "shared", "fp").tier_id == tier_id(tmp_path / "shared")
+    assert tier_id(tmp_path / "private") != tier_id(tmp_path / "shared")
+    assert [p.name for p in (tmp_path / "shared").iterdir()] == [".tier-id"]  # no temporary file left

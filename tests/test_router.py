@@ -211,6 +211,19 @@ def test_a_decode_worker_batch_is_the_max_num_seqs_it_reports():
             admission.check_decode(router.plan("r", shape))
 
 
+def test_a_worker_on_another_storage_tier_is_left_out_of_routing():
+    """Two prefill and one decode worker report tier "A", one prefill and one decode worker "B" (a
+    forgotten DEEPINFER_KV_ROOT): the mesh's tier is A and the B workers get no request; a worker
+    that does not say (an older one) is taken."""
+    _, router, _ = setup(prefill("p-a1", tier_id="A"), prefill("p-a2", tier_id="A"), prefill("p-b", tier_id="B"),
+                         prefill("p-old"), decode("d-a", tier_id="A", kv_tokens_capacity=10**6),
+                         decode("d-b", tier_id="B", kv_tokens_capacity=10**6))
+    assert router.tier() == "A"
+    plan = router.plan("r", PromptShape(num_tokens=100))
+    assert {c.worker_id for c in plan.candidates} == {"p-a1", "p-a2", "p-old"}
+    assert {router.choose_decode(PromptShape(num_tokens=10), f"r{i}", until=2e9) for i in range(4)} == {"d-a"}
+
+
 def test_admission_refuses_up_front_when_no_decode_worker_has_room():
     _, router, _ = setup(prefill("p"), decode("d", kv_tokens_used=900, kv_tokens_capacity=1000))
     admission = Admission(AdmissionConfig())

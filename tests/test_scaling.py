@@ -75,13 +75,15 @@ def test_status_table_and_no_mesh():
 
     table = format_table({
         "decode-0": LoadReport(role="decode", worker_id="decode-0", active_requests=3, kv_tokens_used=512,
-                               kv_tokens_capacity=2048, finished_requests=7, engine="native"),
+                               kv_tokens_capacity=2048, finished_requests=7, engine="native",
+                               tier_id="0123456789abcdef"),
         "prefill-1": LoadReport(role="prefill", worker_id="prefill-1", draining=True, queued_prefill_tokens=900,
                                 queued_prefill_s=1.25),
     }).splitlines()
     assert table[0].split()[:3] == ["ROLE", "WORKER", "STATE"]
     assert table[1].split()[:4] == ["prefill", "prefill-1", "draining", "0"] and "900 tok / 1.25 s" in table[1]
     assert table[2].split()[:4] == ["decode", "decode-0", "live", "3"] and "512/2048 (25%)" in table[2]
+    assert table[0].split()[-1] == "TIER" and table[2].split()[-1] == "01234567" and table[1].split()[-1] == "-"
     out = subprocess.run([sys.executable, "-m", "deepinfer.cli", "status", "--nats", "nats://127.0.0.1:1",
                           "--wait", "0.2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "cannot read the mesh" in out.stderr

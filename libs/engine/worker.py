@@ -80,7 +80,7 @@ class EngineWorker(Service):
         reads counters and ``queued_prefill``, which are safe to read from here)."""
         if self.engine.engine_kind == "vllm":  # no cost model / block manager of ours
             return LoadReport(role=self.role, worker_id=self.worker_id, aborted_requests=self.num_aborted,
-                              **self.engine.load_fields())
+                              tier_id=self.store.tier_id, **self.engine.load_fields())
         e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
         queued_tokens, queued_s = e.queued_prefill()
         swa = getattr(e, "swa_cache", None)
@@ -97,7 +97,8 @@ class EngineWorker(Service):
                           prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
                           swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
                           swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len,
-                          aborted_requests=self.num_aborted, max_num_seqs=e.config.max_num_seqs)
+                          aborted_requests=self.num_aborted, max_num_seqs=e.config.max_num_seqs,
+                          tier_id=self.store.tier_id)
 
     async def metric_families(self) -> list:
         """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""

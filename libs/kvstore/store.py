@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -69,6 +70,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+TIER_ID_FILE = ".tier-id"
+
+
+def tier_id(root: str | Path) -> str:
+    """The identity of the storage tier at ``root``: a random id in ``<root>/.tier-id``, written by
+    the first process that looks (a hard link of a whole file, which fails if another process got
+    there first, so concurrent first looks agree). Every worker reports it, so one started on
+    another tier (a forgotten ``DEEPINFER_KV_ROOT`` gives a private local one) is seen and left out
+    of routing. Raises OSError when the root is unusable."""
+    path = Path(root) / TIER_ID_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{TIER_ID_FILE}.{uuid.uuid4().hex}")
+    tmp.write_text(uuid.uuid4().hex)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links: a rename (first looks at once may differ once)
+        if not path.exists():
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
 class BlockStore:
     """The storage tier for one model fingerprint under ``root``.
 
@@ -92,6 +122,17 @@ class BlockStore:
         self.drop_corrupt = drop_corrupt
         self.stats = StoreStats()
         self._suspect: set[tuple[str, str]] = set()  # (class, key) read as damaged here, not rewritten yet
+        self._tier_id: str | None = None
+
+    @property
+    def tier_id(self) -> str:
+        """The identity of this storage tier (``tier_id(root)``), "" when the root is unusable."""
+        if self._tier_id is None:
+            try:
+                self._tier_id = tier_id(self.root)
+            except OSError:
+                return ""
+        return self._tier_id
 
     def path(self, key: str, retention_class: str) -> Path:
         """The block's file path. Raises ValueError when key or class is not [A-Za-z0-9_-]+."""

@@ -376,6 +376,9 @@ class LoadReport:
     # sequences the engine runs at once (``--max-num-seqs``; 0 = not said): a decode worker with
     # that many running queues the rest, which the router and admission count against it
     max_num_seqs: int = 0
+    # the storage tier this worker reads and writes (``kvstore.store.tier_id``; "" = not said): the
+    # gateway leaves a worker on another tier than the others' out of routing
+    tier_id: str = ""
 
 
 @message

@@ -62,8 +62,11 @@ from typing import Callable
 from deepinfer.gateway.registry import WorkerInfo, WorkerRegistry
 from deepinfer.kvstore.hashing import block_hashes
 from deepinfer.protocol import LoadReport
+from deepinfer.telemetry import get_logger
 
 PREFILL_POLICIES = ("predicted", "round_robin", "least_loaded", "dynamo")
+log = get_logger(__name__)
+
 BIAS_WINDOW = 64  # recent requests whose TTFT prediction errors ``ttft_bias_s`` takes the median of
 BIAS_MIN_SAMPLES = 8
 BIAS_MAX_AGE_S = 30.0  # an error older than this no longer counts (first tokens, seconds)
@@ -247,6 +250,7 @@ class Router:
         self._awaiting: dict[str, dict[str, float]] = {}
         self._computing = InflightPrefixes()  # prompts booked or accepted, until their first token
         self._turn = 0  # round robin and tie-breaking
+        self._off_tier: set[str] = set()  # workers found on another storage tier (logged once)
         # (when, measured - predicted TTFT), seconds
         self._errors: deque[tuple[float, float]] = deque(maxlen=BIAS_WINDOW)
 
@@ -460,8 +464,27 @@ class Router:
         """The batch a decode worker runs: its reported ``--max-num-seqs``, else ``decode_max_seqs``."""
         return report.max_num_seqs or self.config.decode_max_seqs
 
+    def tier(self) -> str:
+        """The storage tier the mesh's workers share: the one most live prefill and decode workers
+        report (on a tie, the one of the worker heard first); "" when none says."""
+        tiers = Counter(i.report.tier_id for role in ("prefill", "decode") for i in self.registry.alive(role)
+                        if i.report.tier_id)
+        return tiers.most_common(1)[0][0] if tiers else ""
+
     def _live(self, role: str) -> list[WorkerInfo]:
-        return [i for i in self.registry.alive(role) if not i.report.draining]
+        """Live workers of ``role`` that take new requests: not draining, and on the mesh's storage
+        tier (a worker on another cannot read what the others store, nor they what it stores: its
+        handoffs and resumes would fail; it is logged once and left out)."""
+        tier, out = self.tier(), []
+        for i in self.registry.alive(role):
+            if i.report.tier_id and tier and i.report.tier_id != tier:
+                if i.report.worker_id not in self._off_tier:
+                    self._off_tier.add(i.report.worker_id)
+                    log.warning("worker_on_another_storage_tier", worker=i.report.worker_id,
+                                tier=i.report.tier_id, mesh_tier=tier)
+            elif not i.report.draining:
+                out.append(i)
+        return out
 
     def _interval(self) -> float:
         return max((i.report.interval_s for i in self._live("decode")), default=1.0)
