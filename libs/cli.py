@@ -1,6 +1,7 @@
 """The ``deepinfer`` command.
 
     deepinfer up [--model PATH] [--port 8000] [--mode agg|disagg] [--workers N] [--tokenizer N] [--prefill N] [--decode N]
+                [--gateways N]
         start nats-server, redis-server and every service; Ctrl-C stops them all
     deepinfer serve <service> [args...]
         run one service in this process (operators / the launcher); it reads
@@ -87,7 +88,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if port is None:
         port = 8000 if port_is_free(8000) else free_port()
     agg = args.mode == "agg"
-    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.workers if agg else args.decode}
+    replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.workers if agg else args.decode,
+                "gateway": args.gateways}
     extra = {"decode": ["--speculative", args.speculative]} if args.speculative != "none" else {}
     mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra,
                 mode=args.mode)
@@ -108,6 +110,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_field = f'\"model\": \"{model_id}\", ' if model_id else ""
         print(
             f"\nDeepInfer is up: {url}  (OpenAI API at {url}/v1, model {model_id or '?'})\n"
+            + (f"  more gateways: {', '.join(mesh.gateway_urls[1:])} (the same mesh; put a load balancer in front)\n"
+               if len(mesh.gateway_urls) > 1 else "") +
             f"  logs:  {mesh.workdir}/logs\n"
             f"  mesh:  NATS {mesh.nats_url}, Redis {mesh.redis_url}, storage tier {mesh.kv_root}\n"
             f"  workers: deepinfer status --nats {mesh.nats_url}\n"
@@ -185,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "mixed into decode steps); disagg: prefill workers hand off to decode workers "
                          f"(default {DEFAULT_MODE})")
     up.add_argument("--workers", type=_positive, default=1, help="prefill-and-decode workers (--mode agg)")
+    up.add_argument("--gateways", type=_positive, default=1,
+                    help="gateways sharing the workers, each on its own port (the first on --port)")
     up.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",
                     help="speculative decoding on the decode workers (default none; see `deepinfer serve decode -h`)")
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for the mesh to become healthy")

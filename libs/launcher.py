@@ -396,7 +396,9 @@ class Mesh:
     >>> with Mesh() as mesh:                      # doctest: +SKIP
     ...     httpx.get(mesh.gateway_url + "/health")
 
-    ``replicas``: workers per service (default 1; the gateway is always 1).
+    ``replicas``: workers per service (default 1). Several gateways (``replicas["gateway"]``) share
+    the workers, each on its own port (``gateway_urls``; the first is ``gateway_port``): a load
+    balancer in front of them is the deployment's choice.
     ``extra_args``: more command-line arguments per service.
     ``env``: extra environment variables for every service.
     ``keep_workdir``: keep a temporary workdir (logs, NATS store, KV blocks)
@@ -438,8 +440,7 @@ class Mesh:
         self.gateway_port = gateway_port
         self.services = tuple(services)
         self.replicas = dict(replicas or {})
-        if self.replicas.get("gateway", 1) != 1 and "gateway" in self.services:
-            raise ValueError("the mesh runs exactly one gateway")
+        self.gateway_ports: list[int] = [gateway_port] if gateway_port else []
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.env = dict(env or {})
         self.model_dir: Path | None = None
@@ -466,9 +467,18 @@ class Mesh:
         return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port else ""
 
     @property
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's base URL, the first one's (``gateway_url``) first."""
+        return [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
+
+    @property
     def metrics_urls(self) -> dict[str, str]:
-        """Worker id (``gateway`` for the gateway) -> its Prometheus metrics URL."""
-        urls = {"gateway": f"{self.gateway_url}/metrics"} if self.gateway_url and "gateway" in self.services else {}
+        """Worker id (``gateway`` for the first gateway, ``gateway-<i>`` for the others) -> its
+        Prometheus metrics URL."""
+        urls = {}
+        if "gateway" in self.services:
+            urls = {("gateway" if i == 0 else f"gateway-{i}"): f"{url}/metrics"
+                    for i, url in enumerate(self.gateway_urls)}
         urls.update({w: f"http://127.0.0.1:{port}/metrics" for w, port in self.metrics_ports.items()})
         return urls
 
@@ -541,8 +551,12 @@ class Mesh:
             self.redis = start_redis(self.workdir)
             say(f"redis-server: {self.redis_url}")
 
-            if "gateway" in self.services and not self.gateway_port:
-                self.gateway_port = free_port()
+            if "gateway" in self.services:
+                while len(self.gateway_ports) < self.replicas.get("gateway", 1):
+                    port = free_port()
+                    if port not in self.gateway_ports:
+                        self.gateway_ports.append(port)
+                self.gateway_port = self.gateway_ports[0]
             for svc in self.services:
                 for _ in range(self.replicas.get(svc, 1)):
                     proc = self.start_worker(svc)
@@ -568,8 +582,9 @@ class Mesh:
         self._next_index[service] = i + 1
         worker_id = f"{service}-{i}"
         argv = [*self.command, "serve", service, "--worker-id", worker_id]
-        if service == "gateway":
-            argv += ["--host", "127.0.0.1", "--port", str(self.gateway_port), "--mode", self.mode]
+        if service == "gateway":  # (a restart of gateway-i takes its port again)
+            argv += ["--host", "127.0.0.1", "--port", str(self.gateway_ports[i % len(self.gateway_ports)]),
+                     "--mode", self.mode]
         argv += self.extra_args.get(service, [])
         argv += list(extra)
         if service != "gateway" and self.metrics:
@@ -586,7 +601,7 @@ class Mesh:
 
     def _free_metrics_port(self) -> int:
         """A free port no process of this mesh was given yet (the kernel may hand one out twice)."""
-        taken = {*self.metrics_ports.values(), self.gateway_port}
+        taken = {*self.metrics_ports.values(), *self.gateway_ports}
         for _ in range(20):
             port = free_port()
             if port not in taken:
@@ -607,11 +622,12 @@ class Mesh:
     def _wait_healthy(self, timeout: float) -> None:
         import httpx
 
-        url = f"{self.gateway_url}/health"
         deadline = time.monotonic() + timeout
         last = "no answer"
+        pending = [f"{u}/health" for u in self.gateway_urls]
         with httpx.Client(timeout=2.0) as client:
-            while True:
+            while pending:
+                url = pending[0]
                 dead = self.dead_services()
                 if dead:
                     raise LauncherError(
@@ -623,7 +639,8 @@ class Mesh:
                 try:
                     r = client.get(url)
                     if r.status_code == 200:
-                        return
+                        pending.pop(0)
+                        continue
                     last = f"HTTP {r.status_code}: {r.text[:200]}"
                 except httpx.HTTPError as e:
                     last = f"{type(e).__name__}: {e}"

@@ -233,6 +233,18 @@ def test_mesh_lifecycle_with_stand_ins(stand_in, tmp_path):
     assert not workdir.exists()  # a temporary workdir is removed
 
 
+def test_several_gateways_share_the_mesh_each_on_its_own_port(stand_in):
+    command, model = stand_in
+    mesh = Mesh(model=str(model), replicas={"gateway": 3})
+    mesh.command = command
+    with mesh:
+        assert [p.name for p in mesh.processes["gateway"]] == ["gateway-0", "gateway-1", "gateway-2"]
+        assert len(set(mesh.gateway_ports)) == 3 and mesh.gateway_urls[0] == mesh.gateway_url
+        for url in mesh.gateway_urls:  # every one was waited for, and serves
+            assert httpx.get(url + "/health").status_code == 200
+        assert {w for w in mesh.metrics_urls if w.startswith("gateway")} == {"gateway", "gateway-1", "gateway-2"}
+
+
 def test_mesh_start_failure_reports_logs_and_cleans_up(stand_in, tmp_path):
     command, model = stand_in
     mesh = Mesh(model=str(model), workdir=tmp_path / "wd", services=("tokenizer", "broken", "gateway"))

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import signal
+import uuid
 
 import uvicorn
 
@@ -35,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: config.json)")
     p.add_argument("--host", default=env("DEEPINFER_GATEWAY_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("DEEPINFER_GATEWAY_PORT", "8000")))
-    p.add_argument("--worker-id", default=env("DEEPINFER_WORKER_ID", "gateway"))
+    p.add_argument("--worker-id", default=env("DEEPINFER_WORKER_ID") or f"gateway-{uuid.uuid4().hex[:8]}",
+                   help="this gateway's id (env DEEPINFER_WORKER_ID; default: gateway-<random>, unique when "
+                        "several gateways share the workers)")
     p.add_argument("--log-level", default=env("DEEPINFER_LOG_LEVEL", "INFO"), type=log_level,
                    help="DEBUG, INFO, WARNING or ERROR (env DEEPINFER_LOG_LEVEL; default INFO)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds without output before a request fails")
