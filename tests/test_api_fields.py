@@ -596,6 +596,19 @@ async def test_refused_nested_fields_are_400_naming_their_path(client, gateway, 
     assert_refused(r, api, field)
 
 
+@pytest.mark.parametrize("api", APIS)
+async def test_json_nested_deeper_than_any_request_is_a_400(client, gateway, workers, api):
+    """1,000 nested arrays: the parser's depth limit is the client's error (a 400 in the API's
+    shape), not a server error, and the connection stays usable."""
+    spec = APIS[api]
+    body = json.dumps(spec["body"](gateway.model))[:-1] + ', "messages": ' + "[" * 1000 + "]" * 1000 + "}"
+    r = await client.post(spec["path"], content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert (err["type"] == "error") if api == "messages" else ("param" in err["error"]), err
+    assert (await client.get("/health")).status_code == 200
+
+
 # --- no-ops change nothing ------------------------------------------------------------------------
 
 

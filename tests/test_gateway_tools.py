@@ -97,9 +97,13 @@ def test_a_call_cut_at_max_tokens_is_dropped_but_a_call_the_model_left_open_is_t
         text, calls = p.feed("Hi " + CALL + "\n" + cut)
         assert text == "Hi " and [c.name for c in calls] == ["get_weather"]
         assert p.flush(truncated=truncated) == rest
+    for cut_tag in ("<", "<tool_ca", "<tool_call"):  # the tag of a call cut before it was whole: no markup
+        p = ToolCallParser()
+        assert p.feed("Hi " + cut_tag) == ("Hi ", [])
+        assert p.flush(truncated=True) == ""
     p = ToolCallParser()
     assert p.feed("Hi <tool_ca") == ("Hi ", [])
-    assert p.flush(truncated=True) == "<tool_ca"  # not a call yet: text, as any other cut text
+    assert p.flush() == "<tool_ca"  # the model stopped there itself: text
 
 
 @pytest.mark.parametrize("seed", range(10))

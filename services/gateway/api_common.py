@@ -47,7 +47,7 @@ def parse_body(model: type[BaseModel], body: bytes, field_names: set[str], dotte
         errors = [_friendlier(err) for err in e.errors(include_url=False)]
         try:
             sent = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested deeper than Python's json takes: pydantic said so)
             raise validation_error(errors, field_names, dotted=dotted) from None
         raise validation_error(errors, field_names, sent, dotted) from None
 

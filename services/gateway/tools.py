@@ -174,10 +174,10 @@ class ToolCallParser:
     def flush(self, truncated: bool = False) -> str:
         """End of generation: whatever is still held is text, except that whitespace after the last
         call is dropped and, when ``truncated`` (the output was cut at max_tokens), a call still
-        open is dropped too (a cut call is not text). An open call at any other end (the model
+        open, or the start of its tag (``<tool``), is dropped too (a cut call is not text). An open call at any other end (the model
         stopped inside it) is a malformed call: text, unchanged."""
         rest, self._buf = self._buf, ""
-        if truncated and rest.startswith(OPEN):
+        if truncated and (rest.startswith(OPEN) or OPEN.startswith(rest)):  # a call, or its tag, cut
             rest = ""
         held, self._ws = self._ws or "", None
         return held + rest if rest.strip() else ("" if self.calls else held + rest)
