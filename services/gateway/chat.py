@@ -154,6 +154,7 @@ def parse_request(body: bytes) -> oai.ChatCompletionRequest:
 def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
     if not req.messages:
         raise bad_request("messages must contain at least one message", param="messages")
+    validate_messages(req.messages)
     if req.top_logprobs is not None:
         if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
             raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs}",
@@ -166,6 +167,31 @@ def validate_request(req: oai.ChatCompletionRequest, model: ModelInfo) -> None:
     names = [t.function.name for t in req.tools or []]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", param="tools")
+
+
+def validate_messages(messages: list[oai.ChatMessage]) -> None:
+    """The conversation's own rules, as OpenAI checks them: content on every message but an
+    assistant one that calls tools (and never an empty list of parts); tool calls' arguments a JSON
+    object; a tool message answers a call of an earlier assistant message. Raises a 400 naming the
+    field (``messages[i]...``)."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.content == [] or (m.content is None and not (m.role == "assistant" and m.tool_calls)):
+            raise bad_request(f"messages[{i}].content: a {m.role} message needs content (a string or at least "
+                              "one part)" + (", or tool_calls" if m.role == "assistant" else ""),
+                              param=f"messages[{i}].content")
+        for j, call in enumerate(m.tool_calls or []):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as e:
+                raise bad_request(f"{where}: not valid JSON ({e})", param=where) from None
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{where}: must be a JSON object", param=where)
+            calls.add(call.id)
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise bad_request(f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no tool call of an earlier "
+                              "assistant message", param=f"messages[{i}].tool_call_id")
 
 
 def structured_spec(req: oai.ChatCompletionRequest) -> dict | None:
@@ -189,6 +215,8 @@ def validate_sampling(req: oai.SamplingRequest, model: ModelInfo) -> None:
     """Checks shared by the OpenAI endpoints; raises a 400 (404 for an unknown model) naming the param."""
     if req.model is not None and req.model != model.served_name:
         raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+    if any(not s for s in req.stop_strings):
+        raise bad_request("stop: stop strings must be non-empty", param="stop")
     if req.n is not None and not (1 <= req.n <= MAX_N):
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     for name in ("max_completion_tokens", "max_tokens"):
