@@ -1,7 +1,7 @@
 """The ``deepinfer`` command.
 
     deepinfer up [--model PATH] [--port 8000] [--mode agg|disagg] [--workers N] [--tokenizer N] [--prefill N] [--decode N]
-                [--gateways N]
+                [--gateways N] [--batch-invariant]
         start nats-server, redis-server and every service; Ctrl-C stops them all
     deepinfer serve <service> [args...]
         run one service in this process (operators / the launcher); it reads
@@ -91,6 +91,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     replicas = {"tokenizer": args.tokenizer, "prefill": args.prefill, "decode": args.workers if agg else args.decode,
                 "gateway": args.gateways}
     extra = {"decode": ["--speculative", args.speculative]} if args.speculative != "none" else {}
+    if args.batch_invariant:  # every engine worker: a prefill and a decode worker must agree bit for bit
+        for role in ("prefill", "decode"):
+            extra[role] = [*extra.get(role, []), "--batch-invariant"]
     mesh = Mesh(model=args.model, gateway_port=port, replicas=replicas, workdir=args.workdir, extra_args=extra,
                 mode=args.mode)
     _say(f"serving mode: {args.mode} (" + ("workers that prefill and decode, `deepinfer serve worker`"
@@ -189,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "mixed into decode steps); disagg: prefill workers hand off to decode workers "
                          f"(default {DEFAULT_MODE})")
     up.add_argument("--workers", type=_positive, default=1, help="prefill-and-decode workers (--mode agg)")
+    up.add_argument("--batch-invariant", action="store_true",
+                    help="engine workers give a request the same bits whatever the cache, chunking and batch "
+                         "(a seed reproduces its text; slower, fp32 under --dtype auto)")
     up.add_argument("--gateways", type=_positive, default=1,
                     help="gateways sharing the workers, each on its own port (the first on --port)")
     up.add_argument("--speculative", choices=["none", "ngram", "draft"], default="none",

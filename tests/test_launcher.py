@@ -309,3 +309,25 @@ def test_cli_up_stops_everything_on_signal(stand_in, tmp_path, sig):
     # nats (-sd <workdir>/nats), redis (--dir <workdir>) and the stand-ins (tmp_path/stand_in.py) are gone
     ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout
     assert not [l for l in ps.splitlines() if str(tmp_path) in l and not l.startswith("Z")], ps
+
+
+@pytest.mark.parametrize("mode", ["disagg", "agg"])
+def test_cli_up_passes_batch_invariant_and_gateways_to_the_mesh(monkeypatch, mode):
+    """``deepinfer up --batch-invariant --gateways 2``: every engine worker gets the flag (a prefill
+    and a decode worker must agree bit for bit), and the mesh runs two gateways."""
+    from deepinfer import cli, launcher
+
+    made = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_mesh(**kw):
+        made.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(launcher, "Mesh", fake_mesh)
+    with pytest.raises(Stop):
+        cli.main(["up", "--mode", mode, "--batch-invariant", "--gateways", "2", "--port", str(free_port())])
+    assert made["extra_args"] == {r: ["--batch-invariant"] for r in ("prefill", "decode")}  # (agg workers: decode)
+    assert made["replicas"]["gateway"] == 2 and made["mode"] == mode
