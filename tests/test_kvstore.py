@@ -306,3 +306,16 @@ def test_a_tier_has_one_identity_however_many_look_at_once(tmp_path):
     assert BlockStore(tmp_path / "shared", "fp").tier_id == tier_id(tmp_path / "shared")
     assert tier_id(tmp_path / "private") != tier_id(tmp_path / "shared")
     assert [p.name for p in (tmp_path / "shared").iterdir()] == [".tier-id"]  # no temporary file left
+
+
+def test_ephemeral_blocks_spread_over_the_shard_directories_and_are_told_from_prefix_hashes(tmp_path):
+    """Handoff blocks of many requests land in many shard directories (by their key's first two
+    characters), not one; ``is_ephemeral`` tells their keys from content hashes."""
+    from deepinfer.kvstore.store import EPHEMERAL, ephemeral_key, is_ephemeral
+
+    store = BlockStore(tmp_path, "fp")
+    keys = [ephemeral_key(f"req-{i}", 0) for i in range(64)] + [ephemeral_key("req-0", 1, "w")]
+    shards = {store.path(k, EPHEMERAL).parent.name for k in keys}
+    assert len(shards) > 30
+    assert all(is_ephemeral(k) for k in keys) and not any(is_ephemeral(h) for h in block_hashes(list(range(64)), 16, "fp"))
+    assert len(set(keys)) == len(keys)

@@ -21,7 +21,7 @@ from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kernels.attention import build_metadata
 from deepinfer.kvstore import BlockStore, block_hashes, ephemeral_key
-from deepinfer.kvstore.store import EPHEMERAL
+from deepinfer.kvstore.store import EPHEMERAL, is_ephemeral
 from deepinfer.prefill.service import PrefillService
 from deepinfer.decode.service import DecodeService
 from deepinfer.protocol import DecodeRequest, PrefillRequest, SamplingParams
@@ -263,7 +263,7 @@ def test_replayed_handoff_reaches_decode_with_window_parts_and_exact_blocks_only
     prefill = SimpleNamespace(engine=pre, store=store)
     req = PrefillRequest("r1", p2, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), "s")
     keys, window_keys, stored = PrefillService.store_blocks(prefill, req, out)
-    assert keys[:n] == hashes[:n] == stored and all(k.startswith("eph-") for k in keys[n:])
+    assert keys[:n] == hashes[:n] == stored and all(is_ephemeral(k) for k in keys[n:])
     assert window_keys[out.first_window_block] == ephemeral_key("r1", out.first_window_block, part="w")
     assert not any(window_keys[: out.first_window_block])
     assert not store.contains(block_hashes(p2, BS, pre.fingerprint)[n])  # approximate: never stored

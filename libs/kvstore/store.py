@@ -55,7 +55,17 @@ def ephemeral_key(request_id: str, index: int, part: str = "") -> str:
     if not part.isascii() or (part and not part.isalpha()):
         raise ValueError(f"bad ephemeral part {part!r}")
     safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in request_id)
-    return f"eph-{safe}-{part}{index}"
+    # NOTE: led by 2 hex digits of the request id's hash, as block files are sharded by a key's first
+    # two characters: every host's handoffs spread over 256 directories instead of one "ep/"
+    return f"{xxhash.xxh3_64_hexdigest(request_id.encode())[:2]}{_EPH}{safe}-{part}{index}"
+
+
+_EPH = "eph-"
+
+
+def is_ephemeral(key: str) -> bool:
+    """Whether ``key`` is an ``ephemeral_key`` (not a block's prefix hash)."""
+    return key[2:2 + len(_EPH)] == _EPH
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

@@ -61,17 +61,13 @@ from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
 from deepinfer.kvstore import KVIndexClient, block_hashes
 from deepinfer.kvstore.embeddings import EmbeddingsReader
-from deepinfer.kvstore.store import EPHEMERAL
+from deepinfer.kvstore.store import EPHEMERAL, is_ephemeral
 from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
 
 KEEPALIVE_BEATS = 5  # heartbeats a request may go without a chunk before it is announced again
-
-
-def is_ephemeral(key: str) -> bool:
-    return key.startswith("eph-")  # ``kvstore.ephemeral_key``
 
 
 def is_handoff(req: DecodeRequest) -> bool:
