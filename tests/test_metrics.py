@@ -333,3 +333,45 @@ def test_every_process_of_a_mesh_serves_metrics_that_move_with_traffic(make_mesh
     assert grew(k, "deepinfer_kvindex_queried_tokens_total", traffic_class="chat") > 0
     assert has(after[k], "deepinfer_kvstore_bytes")
     print(f"\nmesh started in {started:.1f}s, test took {time.monotonic() - t0:.1f}s")
+
+
+def test_health_and_ready_probes_beside_the_metrics():
+    """A service's metrics port answers ``/health`` (its loop runs) and ``/ready`` (connected, set
+    up, not draining) with 200 or 503: Kubernetes' liveness and readiness probes."""
+    import tempfile
+    from pathlib import Path
+
+    from deepinfer.launcher import start_nats
+    from deepinfer.mesh import Service
+
+    nats = start_nats(Path(tempfile.mkdtemp(prefix="probes-")))
+    port = free_port()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        svc = Service(nats.url, worker_id="probe-1")
+        server = m.start_metrics_server(port, addr="127.0.0.1", registry=CollectorRegistry(),
+                                        probes=lambda path: svc.probe(path, loop))
+
+        async def get(path):
+            r = await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}{path}", timeout=5)
+            return r.status_code, (r.json() if path != "/metrics" else r.text)
+
+        try:
+            assert (await get("/health"))[0] == 200
+            code, body = await get("/ready")
+            assert code == 503 and body["started"] is False  # not connected yet
+            await svc.start()
+            assert (await get("/ready"))[0] == 200
+            svc.draining = True
+            code, body = await get("/ready")
+            assert code == 503 and body["draining"] and (await get("/health"))[0] == 200
+            assert (await get("/metrics"))[0] == 200
+        finally:
+            await svc.stop()
+            server.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        nats.stop()

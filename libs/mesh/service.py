@@ -37,6 +37,7 @@ class Service:
         self.intake: list = []  # subscriptions that bring new work: drained first when stopping
         self._stopped = asyncio.Event()
         self._heartbeat_task: asyncio.Task | None = None
+        self.started = False  # connected and set up
 
     # --- to override -------------------------------------------------------
     async def setup(self) -> None:
@@ -62,7 +63,24 @@ class Service:
         await self.setup()
         await self.mesh.nc.flush()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self.started = True
         log.info("service_started", role=self.role)
+
+    def probe(self, path: str, loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0) -> tuple[bool, dict]:
+        """``/health``: the service's event loop runs a no-op within ``timeout_s`` (a stuck loop
+        fails it: restart the process). ``/ready``: that, and connected to NATS, set up and not
+        draining (take no traffic, do not restart). Called from the metrics server's thread."""
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
+            alive = True
+        except Exception:
+            alive = False
+        connected = self.mesh is not None and self.mesh.nc.is_connected
+        body = {"role": self.role, "worker_id": self.worker_id, "loop": alive, "nats": connected,
+                "started": self.started, "draining": self.draining}
+        if path == "/health":
+            return alive, body
+        return alive and connected and self.started and not self.draining, body
 
     async def _heartbeat(self) -> None:
         while True:
@@ -115,8 +133,8 @@ class Service:
 
 
 def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0) -> None:
-    """Run ``service`` in this process until SIGINT / SIGTERM; serve its Prometheus metrics on
-    ``metrics_port`` (0: none)."""
+    """Run ``service`` in this process until SIGINT / SIGTERM; serve its Prometheus metrics and its
+    ``/health`` and ``/ready`` probes on ``metrics_port`` (0: none)."""
     configure_logging(service.role, service.worker_id, log_level)
     configure_tracing(service.role, service.worker_id)
 
@@ -126,7 +144,8 @@ def run_service(service: Service, log_level: str = "INFO", metrics_port: int = 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         if metrics_port:
-            metrics.start_metrics_server(metrics_port, metrics.ServiceCollector(service, loop))
+            metrics.start_metrics_server(metrics_port, metrics.ServiceCollector(service, loop),
+                                         probes=lambda path: service.probe(path, loop))
         # NOTE: the NATS client retries an unreachable server forever (logging ``nats_error``):
         # SIGTERM / SIGINT end a service that never connected
         starting, stopping = asyncio.ensure_future(service.start()), asyncio.ensure_future(stop.wait())

@@ -19,19 +19,24 @@ Two kinds, so no hot loop gets metric code:
 
 Workers serve ``/metrics`` on ``--metrics-port`` (env ``DEEPINFER_METRICS_PORT``;
 0, the default, serves none, so many workers can share a host) through
-``start_metrics_server``; the gateway serves it on its HTTP port.
+``start_metrics_server``, beside ``/health`` (the process and its event loop answer) and
+``/ready`` (connected, set up, not draining); the gateway serves them on its HTTP port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, disable_created_metrics, \
-    generate_latest, start_http_server
+    generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from deepinfer.telemetry.logs import get_logger
 
@@ -368,15 +373,33 @@ class ServiceCollector:
             return []
 
 
-def start_metrics_server(port: int, *collectors, addr: str = "0.0.0.0",
-                         registry: CollectorRegistry = REGISTRY):
+def start_metrics_server(port: int, *collectors, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY,
+                         probes: Callable[[str], tuple[bool, dict]] | None = None):
     """Register ``collectors`` and serve ``registry`` on ``http://addr:port/metrics`` (a daemon
-    thread). Returns the server (``shutdown()`` stops it)."""
+    thread), and with ``probes`` the paths ``/health`` and ``/ready``: ``probes(path)`` ->
+    (ok, JSON body), answered 200 or 503 (a Kubernetes liveness and readiness probe). Returns the
+    server (``shutdown()`` stops it)."""
     for c in collectors:
         registry.register(c)
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if probes is None or path not in ("/health", "/ready"):
+            return metrics_app(environ, start_response)
+        ok, body = probes(path)
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "application/json")])
+        return [json.dumps(body).encode()]
+
+    server = make_server(addr, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics-server").start()
     log.info("metrics_server_started", port=port, addr=addr)
     return server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # scrapes and probes every few seconds: not logged
+        pass
 
 
 def exposition(*registries: CollectorRegistry) -> bytes:
