@@ -124,7 +124,7 @@ def test_damaged_block_is_a_miss_counted_left_in_place_and_replaced_by_the_next_
     s = store.stats.snapshot()
     assert (s["misses"], s["corrupt"], s["hits"]) == (1, 1, 0)
     assert path.exists() and not store.contains("cd34", "chat")
-    assert BlockStore(tmp_path, "fp").contains("cd34", "chat")  # another process has not read it
+    assert not BlockStore(tmp_path, "fp").contains("cd34", "chat")  # nor for another store of this process
     store.put("cd34", block)
     assert store.contains("cd34", "chat") and torch.equal(store.get("cd34"), block)
     _damage(path, how)

@@ -183,8 +183,9 @@ class DeepInferConnector(KVConnectorBase_V1):
         return st
 
     def _stored(self, key: str) -> bool:
-        """Whether the block's file exists (its checksum is verified only when it is loaded)."""
-        return self.store.path(key, self.retention_class).exists()
+        """Whether the block's file exists (its checksum is verified only when it is loaded) and was
+        not found damaged by a load of this process (``BlockStore.contains``: then it is saved again)."""
+        return self.store.contains(key, self.retention_class)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own prefix-cache hit, block-aligned) that the

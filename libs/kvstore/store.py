@@ -81,6 +81,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 TIER_ID_FILE = ".tier-id"
+_SUSPECT: dict[str, set[tuple[str, str]]] = {}  # ``BlockStore._suspect`` of each tier directory
 
 
 def tier_id(root: str | Path) -> str:
@@ -117,8 +118,8 @@ class BlockStore:
     A block that fails verification as damaged is a miss, and is not deleted: on a shared file
     system whose views are only eventually consistent, the reader may have seen a stale or partial
     version of a file another host has since replaced with a valid one, and deleting by path would
-    remove that. The key is remembered as suspect instead: ``contains`` then says it is absent, so
-    this process's next writer of the block replaces it (an atomic rename of a whole, valid file,
+    remove that. The key is remembered as suspect in this process instead: ``contains`` then says
+    it is absent, so the process's next writer of the block replaces it (an atomic rename of a whole, valid file,
     harmless whatever another host wrote meanwhile), and the kvindex, told by a "removed" event,
     checks the file again and deletes it if it is still damaged (``drop_corrupt``: a store that
     deletes such files itself, the kvindex's).
@@ -131,7 +132,9 @@ class BlockStore:
         self._base = str(self.base)
         self.drop_corrupt = drop_corrupt
         self.stats = StoreStats()
-        self._suspect: set[tuple[str, str]] = set()  # (class, key) read as damaged here, not rewritten yet
+        # (class, key) read as damaged in this process, not rewritten yet: one set per tier and
+        # fingerprint, shared by the process's stores (a vLLM connector reads with one, saves with another)
+        self._suspect = _SUSPECT.setdefault(self._base, set())
         self._tier_id: str | None = None
 
     @property
