@@ -583,6 +583,8 @@ class Mesh:
         worker_id = f"{service}-{i}"
         argv = [*self.command, "serve", service, "--worker-id", worker_id]
         if service == "gateway":  # (a restart of gateway-i takes its port again)
+            if not self.gateway_ports:  # a mesh started without one
+                self.gateway_ports.append(free_port())
             argv += ["--host", "127.0.0.1", "--port", str(self.gateway_ports[i % len(self.gateway_ports)]),
                      "--mode", self.mode]
         argv += self.extra_args.get(service, [])
