@@ -850,9 +850,9 @@ async def test_responses_text_format_forced_calls_and_echoed_fields(client, gate
         forced.append(spec["lark"])
     one, many = forced
     assert one.startswith("start: call\n") and many.startswith('start: call ("\\n" call)*')
-    # not forced: a tool is strict unless it says false (OpenAI's default), and then each call the model
-    # starts is constrained; with none strict the output is free
-    for tool, strict in ((WEATHER, True), ({**WEATHER, "strict": False}, False)):
+    # not forced: a tool with strict true has each call the model starts constrained; left out or false,
+    # the output is free (calls parsed as written)
+    for tool, strict in (({**WEATHER, "strict": True}, True), (WEATHER, False), ({**WEATHER, "strict": False}, False)):
         r = await client.post("/v1/responses", json={"model": gateway.model, "input": "hi", "store": False,
                                                      "tools": [tool], "tool_choice": "auto"})
         assert r.status_code == 200, r.text

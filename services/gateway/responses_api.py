@@ -5,9 +5,9 @@ Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``outp
 ``gateway.images``; ``file_id`` is refused) or a plain string; ``function_call``;
 ``function_call_output``), ``instructions`` (a system message
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
-``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only; ``strict`` unless false,
-OpenAI's default: under ``auto`` each call the model starts is constrained to the tool's
-``parameters``) with ``tool_choice``
+``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only; with ``strict: true``,
+under ``auto`` each call the model starts is constrained to the tool's ``parameters``; left out,
+calls are parsed as written, as vLLM does, where OpenAI's default is strict) with ``tool_choice``
 (``auto`` / ``none``; ``required`` and a named function force calls: the output is constrained to
 calls of those tools, ``parallel_tool_calls: false`` = one; with ``auto`` and
 ``parallel_tool_calls: false`` the output ends at its first call and the worker is stopped there),
@@ -219,7 +219,7 @@ class FunctionTool(_Strict):
     name: str
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None  # true or left out (OpenAI's default): calls are constrained to ``parameters``
+    strict: bool | None = None  # true: calls are constrained to ``parameters`` also under tool_choice "auto"
     async_: refused("asynchronous function calls are not supported; only false",
                     takes=lambda v: v is False) = Field(default=None, alias="async")
     allowed_callers: refused("only the model calls tools (['direct'])", takes=lambda v: v == ["direct"]) = None
@@ -365,8 +365,8 @@ def structured_spec(req: ResponsesRequest) -> dict | None:
         found.append(("tool_choice", tool_call_spec(tools, name, parallel=req.parallel_tool_calls is not False)))
     if len(found) > 1:
         raise bad_request("text.format and a forced tool_choice cannot be combined", param="tool_choice")
-    if not found and req.tools and choice in (None, "auto"):  # strict unless false, OpenAI's default
-        return strict_tools_spec([(t.name, t.parameters, t.strict is not False) for t in req.tools])
+    if not found and req.tools and choice in (None, "auto"):
+        return strict_tools_spec([(t.name, t.parameters, bool(t.strict)) for t in req.tools])
     return found[0][1] if found else None
 
 

@@ -15,8 +15,8 @@ Where a request can ask for it (at most one source per request, else 400):
                                 a grammar of tool calls in the format the tool parser reads
                                 (``tools.tool_call_grammar``), arguments constrained by each tool's
                                 ``parameters``; ``parallel_tool_calls: false`` = exactly one call
-    strict tools, not forced    tools with ``strict: true`` (Responses: unless false, OpenAI's default;
-                                Anthropic's ``strict``) under "auto": free text, each call the model
+    strict tools, not forced    tools with ``strict: true`` (chat, Responses, Anthropic) under
+                                "auto": free text, each call the model
                                 starts constrained (``tools.strict_tool_call_grammar``); not with
                                 another source, whose output could hold no call
 
