@@ -14,7 +14,6 @@ Errors are ``OpenAIError`` (status, message, type, code); each API renders them 
 from __future__ import annotations
 
 import json
-
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
