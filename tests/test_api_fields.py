@@ -721,7 +721,10 @@ async def test_strict_tools_not_forced_constrain_the_calls_on_every_api(client, 
     model starts (free text otherwise); no strict tool, or tool_choice "none", leaves the output free;
     with a response format the format applies (its output holds no call)."""
     script(text=CALL.format("Paris"))
-    strict = lambda tool, on: {**tool, "function": {**tool["function"], "strict": on}}  # noqa: E731
+
+    def strict(tool: dict, on: bool) -> dict:
+        return {**tool, "function": {**tool["function"], "strict": on}}
+
     chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["parameters"]}}
     anthropic_tool = {"name": "get_weather", "input_schema": WEATHER["parameters"]}
 
