@@ -70,11 +70,6 @@ RESPONSES = Terms("input_image", "input_image.image_url", "the data: URL", ".ima
 ANTHROPIC = Terms("image block", "source.url", "source.data", ".source")  # parts carry their url_param
 
 
-def has_images(messages: list[dict]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url" for p in m["content"])
-               for m in messages)
-
-
 def decode_data_url(url: str, max_bytes: int, param: str, terms: Terms = OPENAI) -> bytes:
     m = _DATA_URL.match(url)
     if m is None or not m.group(3):
