@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from deepinfer.kvstore.format import EMBEDDINGS, EPHEMERAL, SUFFIX, SAFE_NAME, read_header
 
@@ -52,17 +52,29 @@ def scan_blocks(root: str | Path, fingerprint: str | None = None) -> Iterator[Bl
         for cls_dir in _subdirs(Path(root) / fp):
             if cls_dir.name in (EPHEMERAL, EMBEDDINGS) or not SAFE_NAME.fullmatch(cls_dir.name):
                 continue
-            for shard in _subdirs(cls_dir):
-                try:
-                    entries = list(os.scandir(shard))
-                except OSError:
+            for e in _shard_entries(cls_dir):
+                if not e.name.endswith(SUFFIX) or e.name.startswith("."):
                     continue
-                for e in entries:
-                    if not e.name.endswith(SUFFIX) or e.name.startswith("."):
-                        continue
-                    bf = _read_block_file(Path(e.path), fp, cls_dir.name, e.name[: -len(SUFFIX)])
-                    if bf is not None:
-                        yield bf
+                bf = _read_block_file(Path(e.path), fp, cls_dir.name, e.name[: -len(SUFFIX)])
+                if bf is not None:
+                    yield bf
+
+
+def _shard_entries(cls_dir: Path) -> Iterator[os.DirEntry]:
+    """Every entry of every shard directory of a class directory (unreadable shards skipped)."""
+    for shard in _subdirs(cls_dir):
+        try:
+            yield from list(os.scandir(shard))
+        except OSError:
+            continue
+
+
+def _with_mtime(entries: Iterable[os.DirEntry]) -> Iterator[tuple[Path, float]]:
+    for e in entries:
+        try:
+            yield Path(e.path), e.stat().st_mtime
+        except OSError:  # gone meanwhile
+            continue
 
 
 def _subdirs(d: Path) -> list[Path]:
@@ -87,16 +99,7 @@ def _read_block_file(path: Path, fp: str, cls: str, key: str) -> BlockFile | Non
 def ephemeral_files(root: str | Path) -> Iterator[tuple[Path, float]]:
     """``(path, mtime)`` of every ephemeral block file under ``root`` (orphans are cleaned by age)."""
     for fp in fingerprints(root):
-        for shard in _subdirs(Path(root) / fp / EPHEMERAL):
-            try:
-                entries = list(os.scandir(shard))
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    yield Path(e.path), e.stat().st_mtime
-                except OSError:
-                    continue
+        yield from _with_mtime(_shard_entries(Path(root) / fp / EPHEMERAL))
 
 
 def temp_files(root: str | Path) -> Iterator[tuple[Path, float]]:
@@ -104,14 +107,4 @@ def temp_files(root: str | Path) -> Iterator[tuple[Path, float]]:
     when whole) under ``root``, in every class: one a killed writer left stays until swept by age."""
     for fp in fingerprints(root):
         for cls_dir in _subdirs(Path(root) / fp):
-            for shard in _subdirs(cls_dir):
-                try:
-                    entries = list(os.scandir(shard))
-                except OSError:
-                    continue
-                for e in entries:
-                    if e.name.startswith(".tmp-"):
-                        try:
-                            yield Path(e.path), e.stat().st_mtime
-                        except OSError:
-                            continue
+            yield from _with_mtime(e for e in _shard_entries(cls_dir) if e.name.startswith(".tmp-"))

@@ -134,11 +134,7 @@ def tool_call_spec(tools: list[tuple[str, dict | None]], forced_name: str | None
         tools = [t for t in tools if t[0] == forced_name]
         if not tools:
             raise bad_request(f"{param}: no tool named {forced_name!r} among the tools", param=param)
-    try:
-        spec = {"type": "grammar", "lark": tool_call_grammar(tools, parallel)}
-    except StructuredOutputError as e:
-        raise bad_request(f"tools: {e}", param="tools") from None
-    return checked(spec, "tools")
+    return _tools_grammar_spec(tool_call_grammar, tools, parallel)
 
 
 def strict_tools_spec(tools: list[tuple[str, dict | None, bool]]) -> dict | None:
@@ -149,8 +145,14 @@ def strict_tools_spec(tools: list[tuple[str, dict | None, bool]]) -> dict | None
     cannot enforce."""
     if not any(strict for _, _, strict in tools):
         return None
+    return _tools_grammar_spec(strict_tool_call_grammar, tools)
+
+
+def _tools_grammar_spec(grammar, *args) -> dict:
+    """``grammar(*args)`` (a tools grammar of ``gateway.tools``) as a checked spec; a tool's
+    parameters llguidance cannot enforce are a 400 naming ``tools``."""
     try:
-        spec = {"type": "grammar", "lark": strict_tool_call_grammar(tools)}
+        spec = {"type": "grammar", "lark": grammar(*args)}
     except StructuredOutputError as e:
         raise bad_request(f"tools: {e}", param="tools") from None
     return checked(spec, "tools")
