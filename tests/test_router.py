@@ -782,8 +782,10 @@ def wait_idle(mesh, seconds: float = 1.2) -> None:
 def mock_mesh(tmp_path_factory):
     from deepinfer.launcher import Mesh
 
+    # decode's KV holds the whole overload (64 prompts of up to 6k tokens), so admission refusals
+    # come from the prefill side this module measures, not from a full decode worker
     m = Mesh(workdir=tmp_path_factory.mktemp("router-mesh"), replicas={"prefill": 4, "decode": 1},
-             extra_args={"prefill": MOCK_ARGS, "decode": MOCK_ARGS})
+             extra_args={"prefill": MOCK_ARGS, "decode": [*MOCK_ARGS, "--kv-cache-gb", "24"]})
     m.start(timeout=300)
     yield m
     m.stop()
