@@ -362,8 +362,10 @@ def start_nats(workdir: Path, port: int | None = None, timeout: float = 20) -> M
     return proc
 
 
-def start_redis(workdir: Path, port: int | None = None, timeout: float = 20) -> ManagedProcess:
-    """Start a throw-away redis-server on 127.0.0.1 (no persistence)."""
+def start_redis(workdir: Path, port: int | None = None, timeout: float = 20,
+                extra_args: tuple[str, ...] = ()) -> ManagedProcess:
+    """Start a throw-away redis-server on 127.0.0.1 (no persistence); ``extra_args`` go on its
+    command line (e.g. ``("--replicaof", "127.0.0.1", "6379")``)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -375,6 +377,7 @@ def start_redis(workdir: Path, port: int | None = None, timeout: float = 20) -> 
         "--appendonly", "no",
         "--daemonize", "no",
         "--dir", str(workdir),
+        *extra_args,
     ]  # fmt: skip
     proc = ManagedProcess("redis", argv, workdir / "redis.log")
     proc.port = port

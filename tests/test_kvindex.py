@@ -15,7 +15,6 @@ import time
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 from deepinfer.kvindex.config import IndexConfig, parse_duration, parse_retention, parse_size
@@ -23,6 +22,7 @@ from deepinfer.kvindex.index import classify_event_id
 from deepinfer.kvindex.service import KVIndexService
 from deepinfer.kvstore import BlockStore, KVIndexClient, block_hashes
 from deepinfer.kvstore.format import EPHEMERAL
+from deepinfer.kvstore.redis_client import redis_client
 from deepinfer.kvstore.store import ephemeral_key
 from deepinfer.launcher import start_nats, start_redis
 from deepinfer.mesh import MeshClient
@@ -73,15 +73,15 @@ async def make_index(kv_nats, redis_url, tmp_path):
     """``await make_index(clock, redis_url=..., **IndexConfig fields)`` -> (service, client, store, redis)."""
     made = []
 
-    async def _make(clock, redis=None, **cfg):
-        prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    async def _make(clock, redis=None, worker_id="kvindex-test", redis_prefix=None, **cfg):
+        prefix = redis_prefix or f"test-{uuid.uuid4().hex[:8]}:"
         cfg.setdefault("sweep_interval_s", 3600.0)
         config = IndexConfig(kv_root=str(tmp_path / "kv"), redis_prefix=prefix, redis_check_s=0.1, **cfg)
-        svc = KVIndexService(kv_nats, redis or redis_url, config, worker_id="kvindex-test", clock=clock)
+        svc = KVIndexService(kv_nats, redis or redis_url, config, worker_id=worker_id, clock=clock)
         await svc.start()
         mesh = await MeshClient.connect(kv_nats, "prefill-test")
         client = KVIndexClient(mesh, "prefill-test", FP, lookup_timeout_s=1.0)
-        r = aioredis.Redis.from_url(redis or redis_url, decode_responses=True)
+        r = redis_client(redis or redis_url, decode_responses=True)
         made.append((svc, mesh, r))
         return svc, client, BlockStore(tmp_path / "kv", FP), r
 
@@ -413,3 +413,115 @@ async def test_kvindex_runs_as_a_module(kv_nats, redis_url, tmp_path):
         proc.terminate()
         out = proc.communicate(timeout=20)[0]
     assert proc.returncode == 0, out.decode()[-2000:]
+
+
+# ---------------------------------------------------------------------------- replicas
+
+
+async def test_replicas_share_one_leader_that_alone_applies_events_and_all_answer_lookups(make_index):
+    """Two replicas over one Redis: one holds the lease and applies every event (in order: one
+    consumer), both answer lookups from the same index; on a clean stop the leader gives the lease
+    up and the other takes over at once, with the events where the old one left them."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a, client, store, r = await make_index(FakeClock(), worker_id="kvindex-a", redis_prefix=prefix,
+                                           leader_lease_s=1.0)
+    b, _, _, _ = await make_index(FakeClock(), worker_id="kvindex-b", redis_prefix=prefix, leader_lease_s=1.0)
+    assert (a.leading, b.leading) == (True, False)
+    assert await r.get(f"{prefix}leader") == "kvindex-a"
+    await asyncio.sleep(1.5)  # longer than the lease: the leader renews it, the other never takes it
+    assert (a.leading, b.leading) == (True, False) and (a.leader_changes, b.leader_changes) == (1, 0)
+    first = chain(2, salt=1)
+    write_blocks(store, first)
+    client.publish_stored(first, "chat", BLOCK_BYTES, 16)
+    await applied(a, 1)
+    assert b.events_applied == 0
+    for svc in (a, b):  # each replica's own lookup handler reads the shared index
+        reply = await svc.on_lookup(KVLookupRequest(hashes=first, traffic_class="chat", num_tokens=32))
+        assert reply.num_blocks == 2
+    health = await client.health()
+    assert health.leader == "kvindex-a"
+
+    t0 = time.monotonic()
+    await a.stop()  # resigns: b takes over on its next renewal (a third of the lease)
+    await eventually(lambda: _is(b, "leading"), timeout=3)
+    assert time.monotonic() - t0 < 1.5
+    second = chain(2, salt=2)
+    write_blocks(store, second)
+    client.publish_stored(second, "chat", BLOCK_BYTES, 16)
+    await applied(b, 1)
+    assert await client.lookup(second, "chat", 32) == 2
+
+
+async def test_a_leader_that_cannot_renew_steps_down_and_applies_nothing(make_index, monkeypatch):
+    """A leader whose renewals fail (Redis unreachable for it alone) stops consuming once its lease
+    would have run out, while another replica takes the lease over in Redis."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    a, client, store, r = await make_index(FakeClock(), worker_id="kvindex-a", redis_prefix=prefix,
+                                           leader_lease_s=0.6)
+    b, _, _, _ = await make_index(FakeClock(), worker_id="kvindex-b", redis_prefix=prefix, leader_lease_s=0.6)
+    assert a.leading and not b.leading
+
+    async def unreachable(*_a, **_k):
+        raise ConnectionError("partitioned")
+
+    monkeypatch.setattr(a.index, "lead", unreachable)
+    monkeypatch.setattr(a, "check_redis", lambda: _false())  # its watchdog must not mark Redis up again
+    await eventually(lambda: _is(b, "leading"), timeout=3)
+    await eventually(lambda: _not(a, "leading"), timeout=3)
+    assert await r.get(f"{prefix}leader") == "kvindex-b"
+    hashes = chain(1, salt=3)
+    write_blocks(store, hashes)
+    client.publish_stored(hashes, "chat", BLOCK_BYTES, 16)
+    await applied(b, 1)
+    assert a.events_applied == 0
+
+
+async def test_a_killed_leader_process_is_replaced_within_the_lease(kv_nats, redis_url, tmp_path):
+    """Two kvindex processes; the leader is SIGKILLed (no resign): the other takes the lease once it
+    runs out (~1.3 leases) and applies the events published meanwhile."""
+    env = dict(os.environ, DEEPINFER_KV_ROOT=str(tmp_path / "kv"))
+    prefix = f"proc-{uuid.uuid4().hex[:8]}:"
+    procs = {w: subprocess.Popen([sys.executable, "-m", "deepinfer.kvindex", "--nats-url", kv_nats,
+                                  "--redis-url", redis_url, "--redis-prefix", prefix, "--worker-id", w,
+                                  "--leader-lease", "1s"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL) for w in ("kvindex-p", "kvindex-q")}
+    mesh = await MeshClient.connect(kv_nats, "probe")
+    try:
+        client = KVIndexClient(mesh, "prefill-p", FP)
+        leader = (await eventually(lambda: _leader(client), timeout=30)).leader
+        other = next(w for w in procs if w != leader)
+        procs[leader].kill()
+        procs[leader].wait(timeout=10)
+        t0 = time.monotonic()
+        await eventually(lambda: _leader(client, other), timeout=10)
+        took = time.monotonic() - t0
+        assert took < 1.3 * 1.0 + 1.0, took  # the lease, a renewal period, the health round trip
+        store = BlockStore(tmp_path / "kv", FP)
+        hashes = chain(1, salt=4)
+        write_blocks(store, hashes)
+        client.publish_stored(hashes, "chat", BLOCK_BYTES, 16)
+        assert await eventually(lambda: client.lookup(hashes, "chat", 16), timeout=10) == 1
+    finally:
+        await mesh.close()
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=10)
+
+
+async def _leader(client: KVIndexClient, want: str | None = None):
+    health = await client.health(timeout=0.5)
+    if health and health.redis_ok and health.leader and (want is None or health.leader == want):
+        return health
+    return None
+
+
+async def _is(svc, attr):
+    return getattr(svc, attr)
+
+
+async def _not(svc, attr):
+    return not getattr(svc, attr)
+
+
+async def _false():
+    return False

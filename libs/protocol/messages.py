@@ -463,6 +463,8 @@ class KVIndexHealth:
     (counts since the index was created; see ``hit_rate``).
     lookup_timeouts: lookups answered as a miss because Redis was slower than the
     kvindex's ``lookup_timeout_s`` (since start).
+    leading: this replica holds the leader lease (applies KV events, runs sweeps);
+    leader: the replica that holds it ("" when none or Redis is down).
     """
 
     worker_id: str
@@ -475,6 +477,8 @@ class KVIndexHealth:
     replays: int = 0
     hit_stats: dict[str, dict] = field(default_factory=dict)
     lookup_timeouts: int = 0
+    leading: bool = False
+    leader: str = ""
 
     def hit_rate(self, traffic_class: str) -> float:
         """Cached prompt tokens / prompt tokens looked up for ``traffic_class`` (0 when none)."""

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from deepinfer.kvstore.redis_client import redis_client
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -32,7 +33,7 @@ class StoreUnavailable(Exception):
 
 
 class ResponseStore:
-    """``url``: Redis URL, or None (every call raises ``StoreUnavailable``); ``ttl_s``: seconds a
+    """``url``: Redis URL (``kvstore.redis_client``: one server or ``redis+sentinel://``), or None (every call raises ``StoreUnavailable``); ``ttl_s``: seconds a
     stored response lives; timeouts in seconds bound every call when Redis is unreachable."""
 
     def __init__(self, url: str | None, ttl_s: int = DEFAULT_TTL_S, connect_timeout_s: float = 1.0,
@@ -41,7 +42,7 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self._client = None
         if url:
-            self._client = aioredis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
+            self._client = redis_client(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
                                              retry=Retry(NoBackoff(), 0), decode_responses=False)
 
     def _redis(self):

@@ -35,6 +35,9 @@ class IndexConfig:
     redis_check_s: seconds between Redis health checks (and recovery attempts).
     lookup_timeout_s: a lookup that Redis does not answer in time is a miss.
     durable: JetStream durable consumer name (replicas share it).
+    leader_lease_s: seconds the leader's Redis lease lasts; it is renewed every third of
+    that, and a replica takes a lease that ran out within a third of it (so a new leader
+    takes over at most ~1.3 lease after the old one died; at once after a clean stop).
     """
 
     kv_root: str
@@ -48,6 +51,7 @@ class IndexConfig:
     redis_check_s: float = 1.0
     lookup_timeout_s: float = 0.2
     durable: str = subjects.KV_EVENTS_CONSUMER
+    leader_lease_s: float = 3.0
 
     def retention_of(self, traffic_class: str) -> float:
         """Seconds a block of ``traffic_class`` lives after its last use."""

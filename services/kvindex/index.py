@@ -122,6 +122,27 @@ return added
 """
 
 
+# KEYS[1]: the leader key; ARGV: worker id, lease (ms). Takes a free lease or renews one's own.
+_LEAD = """
+local cur = redis.call('GET', KEYS[1])
+if cur == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+  return 1
+end
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"""
+
+# KEYS[1]: the leader key; ARGV[1]: worker id. Gives the lease up if it is one's own.
+_RESIGN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
 @dataclass
 class Removed:
     """A block the index dropped; its file is ``<root>/<fingerprint>/<retention_class>/<key[:2]>/<key>.kvb``."""
@@ -175,6 +196,8 @@ class RedisIndex:
         self._remove = r.register_script(_REMOVE)
         self._lookup = r.register_script(_LOOKUP)
         self._add_if_absent = r.register_script(_ADD_IF_ABSENT)
+        self._lead = r.register_script(_LEAD)
+        self._resign = r.register_script(_RESIGN)
 
     # --- blocks -------------------------------------------------------------------
     async def store(self, retention_class: str, hashes: list[str], fingerprint: str, nbytes: int,
@@ -280,6 +303,20 @@ class RedisIndex:
 
     async def set_last_event(self, worker_id: str, epoch: str, event_id: int) -> None:
         await self.r.hset(f"{self.p}workers", worker_id, f"{epoch}:{event_id}")
+
+    async def lead(self, worker_id: str, lease_s: float) -> bool:
+        """Take the leader lease for ``lease_s`` seconds if no one holds it, or renew it if
+        ``worker_id`` does; whether ``worker_id`` holds it now."""
+        return bool(await self._lead(keys=[f"{self.p}leader"], args=[worker_id, max(1, int(lease_s * 1000))]))
+
+    async def resign(self, worker_id: str) -> bool:
+        """Give the leader lease up if ``worker_id`` holds it (a clean stop: the next replica
+        takes over at once instead of after the lease); whether it did."""
+        return bool(await self._resign(keys=[f"{self.p}leader"], args=[worker_id]))
+
+    async def leader(self) -> str | None:
+        """The worker id holding the leader lease, or None."""
+        return await self.r.get(f"{self.p}leader")
 
     async def is_ready(self) -> bool:
         """Whether the index was built from the storage tier since Redis last lost its data."""

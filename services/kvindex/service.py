@@ -25,9 +25,15 @@ Lifecycle of what this service handles:
      and a sweep every ``sweep_interval_s`` (retention per class, capacity
      by LRU, orphan ephemeral files).
 
+Replicas: any number may run over one Redis. Every replica answers lookups
+and health; one, the leader, holds a lease in Redis (``leader_lease_s``,
+renewed every third of it) and alone fetches events, re-syncs and sweeps, so
+one worker's events are applied in order and a sweep runs once. A replica that
+finds the lease free takes it (and the events where the old leader left them in
+the durable consumer); a leader that cannot renew in time steps down.
+
 All times come from ``clock`` (seconds; ``time.time`` by default), so tests
-move time without sleeping. Run one replica per Redis: replicas would share
-the durable consumer and could apply one worker's events out of order.
+move time without sleeping (the lease uses Redis' own expiry and the monotonic clock).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from deepinfer.kvindex.index import RedisIndex, classify_event_id
 from deepinfer.kvstore import BlockStore
 from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME
 from deepinfer.kvstore.index_client import ensure_kv_events_stream
+from deepinfer.kvstore.redis_client import describe, redis_client
 from deepinfer.mesh import Service, run_service
 from deepinfer.mesh.args import service_parser
 from deepinfer.protocol import (
@@ -101,11 +108,15 @@ class KVIndexService(Service):
         self._replay_pending: set[str | None] = set()
         self._replay_task: asyncio.Task | None = None
         self._events_sub = None  # the JetStream pull subscription of KV events
+        self.leading = False  # holds the leader lease: applies events, re-syncs, sweeps
+        self.leader_changes = 0  # times this replica became the leader
+        self._lease_deadline = 0.0  # monotonic time the lease this replica holds runs out
+        self._lead_tasks: list[asyncio.Task] = []
         self._maint_lock = asyncio.Lock()
         self._stopping = False
 
     async def setup(self) -> None:
-        self.redis = aioredis.Redis.from_url(
+        self.redis = redis_client(
             self.redis_url, decode_responses=True, socket_connect_timeout=0.5, socket_timeout=5.0,
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.index = RedisIndex(self.redis, self.config.redis_prefix)
@@ -113,9 +124,10 @@ class KVIndexService(Service):
                                   span_name="kvindex.lookup")
         await self.mesh.subscribe(subjects.KVINDEX_HEALTH, self.on_health, queue=subjects.KVINDEX_GROUP,
                                   span_name="kvindex.health")
-        await self.check_redis()  # first replay before taking events, when Redis is up
-        self._tasks = [asyncio.create_task(self._watch_redis()), asyncio.create_task(self._consume_events()),
-                       asyncio.create_task(self._sweep_loop())]
+        await self.check_redis()
+        if await self.try_lead():
+            await self.replay_idle()  # an empty index is built from the files before lookups are answered
+        self._tasks = [asyncio.create_task(self._watch_redis()), asyncio.create_task(self._lead_loop())]
 
     # --- handlers -------------------------------------------------------------------
     async def on_lookup(self, req: KVLookupRequest):
@@ -142,11 +154,13 @@ class KVIndexService(Service):
     async def on_health(self, _req: KVIndexHealthRequest) -> KVIndexHealth:
         h = KVIndexHealth(worker_id=self.worker_id, redis_ok=self.redis_ok, capacity_bytes=self.config.capacity_bytes,
                           events_applied=self.events_applied, gaps=self.gaps, replays=self.replays,
-                          lookup_timeouts=self.lookup_timeouts)
+                          lookup_timeouts=self.lookup_timeouts, leading=self.leading)
         if self.redis_ok:
             try:
-                h.num_blocks, h.total_bytes, h.hit_stats = await asyncio.wait_for(asyncio.gather(
-                    self.index.num_blocks(), self.index.total_bytes(), self.index.hit_stats()), 1.0)
+                h.num_blocks, h.total_bytes, h.hit_stats, leader = await asyncio.wait_for(asyncio.gather(
+                    self.index.num_blocks(), self.index.total_bytes(), self.index.hit_stats(), self.index.leader()),
+                    1.0)
+                h.leader = leader or ""
             except asyncio.TimeoutError:  # slow, not necessarily down (as for lookups): counts unknown (-1)
                 pass
             except _REDIS_ERRORS as e:
@@ -265,8 +279,8 @@ class KVIndexService(Service):
             was_ok = self.redis_ok
             self.redis_ok = True
             if not was_ok:
-                log.info("redis_ok", url=self.redis_url)
-            if not await self.index.is_ready():
+                log.info("redis_ok", url=describe(self.redis_url))
+            if self.leading and not await self.index.is_ready():
                 await self.replay(None)
         except _REDIS_ERRORS as e:
             self._redis_failed(e)
@@ -274,8 +288,68 @@ class KVIndexService(Service):
 
     def _redis_failed(self, e: BaseException) -> None:
         if self.redis_ok:
-            log.warning("redis_down", url=self.redis_url, error=f"{type(e).__name__}: {e}")
+            log.warning("redis_down", url=describe(self.redis_url), error=f"{type(e).__name__}: {e}")
         self.redis_ok = False
+
+    # --- leadership -------------------------------------------------------------------
+    async def try_lead(self) -> bool:
+        """Take or renew the leader lease (when Redis is up) and start or stop the leader's work
+        to match; whether this replica leads now. A leader that cannot reach Redis keeps leading
+        until its lease would have run out, then steps down."""
+        lease = self.config.leader_lease_s
+        held = None
+        if self.redis_ok:
+            t = time.monotonic()
+            try:
+                held = await asyncio.wait_for(self.index.lead(self.worker_id, lease), lease / 3)
+            except _REDIS_ERRORS as e:
+                self._redis_failed(e)
+            else:
+                if held:
+                    self._lease_deadline = t + lease
+        if held and not self.leading:
+            await self._step_up()
+        elif self.leading and (held is False or time.monotonic() >= self._lease_deadline):
+            await self._step_down("another replica holds the lease" if held is False else "lease not renewed")
+        return self.leading
+
+    async def _step_up(self) -> None:
+        self.leading = True
+        self.leader_changes += 1
+        log.info("kvindex_leading", worker=self.worker_id, lease_s=self.config.leader_lease_s)
+        try:
+            if not await self.index.is_ready():
+                self.request_replay(None)
+        except _REDIS_ERRORS as e:
+            self._redis_failed(e)  # the watchdog re-syncs once Redis is back
+        self._lead_tasks = [asyncio.create_task(self._consume_events()), asyncio.create_task(self._sweep_loop())]
+
+    async def _step_down(self, why: str) -> None:
+        self.leading = False
+        log.warning("kvindex_stepped_down", worker=self.worker_id, reason=why)
+        await self._stop_lead_tasks()
+
+    async def _stop_lead_tasks(self) -> None:
+        tasks, self._lead_tasks = self._lead_tasks, []
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=3.0)
+            if pending:
+                log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
+        if self._events_sub is not None:
+            # NOTE: left subscribed, the pull subscription held the connection's drain for its whole
+            # 5 s bound at every stop; unacked events stay in the durable consumer for the next leader
+            sub, self._events_sub = self._events_sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception as e:
+                log.warning("kv_events_unsubscribe_failed", error=str(e))
+
+    async def _lead_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.leader_lease_s / 3)
+            await self.try_lead()
 
     # --- background loops -------------------------------------------------------------
     async def _watch_redis(self) -> None:
@@ -284,9 +358,9 @@ class KVIndexService(Service):
             await self.check_redis()
 
     async def _sweep_loop(self) -> None:
-        while not self._stopping:
+        while not self._stopping and self.leading:
             await asyncio.sleep(self.config.sweep_interval_s)
-            if not self.redis_ok:
+            if not self.redis_ok or not self.leading:
                 continue
             try:
                 await self.sweep()
@@ -305,8 +379,8 @@ class KVIndexService(Service):
         js = self.mesh.nc.jetstream()
         psub = await self._subscribe_events(js)
         checked = time.monotonic()
-        while psub is not None and not self._stopping:
-            if not self.redis_ok:
+        while psub is not None and not self._stopping and self.leading:
+            if not self.redis_ok or time.monotonic() >= self._lease_deadline:  # nothing applied off lease
                 await asyncio.sleep(0.2)
                 continue
             try:
@@ -325,8 +399,8 @@ class KVIndexService(Service):
 
     async def _subscribe_events(self, js):
         """The pull subscription on the events stream (both created when missing), retried every
-        second until JetStream answers; None once the service stops."""
-        while not self._stopping:
+        second until JetStream answers; None once the service stops or no longer leads."""
+        while not self._stopping and self.leading:
             try:
                 await ensure_kv_events_stream(js)
                 self._events_sub = await js.pull_subscribe(
@@ -394,13 +468,13 @@ class KVIndexService(Service):
             _, pending = await asyncio.wait(tasks, timeout=3.0)
             if pending:
                 log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
-        if self._events_sub is not None:
-            # NOTE: left subscribed, the pull subscription held the connection's drain for its whole
-            # 5 s bound at every stop; unacked events stay in the durable consumer for the next start
+        await self._stop_lead_tasks()
+        if self.leading and self.redis_ok:  # the next replica takes over now, not after the lease
             try:
-                await self._events_sub.unsubscribe()
-            except Exception as e:
-                log.warning("kv_events_unsubscribe_failed", error=str(e))
+                await asyncio.wait_for(self.index.resign(self.worker_id), 1.0)
+            except _REDIS_ERRORS:
+                pass
+            self.leading = False
 
     async def teardown(self) -> None:
         if self.redis is not None:
@@ -414,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     p = service_parser("kvindex", "KV prefix index over Redis: events, lookups, retention, capacity")
     env = os.environ.get
     p.add_argument("--redis-url", default=env("DEEPINFER_REDIS_URL", "redis://127.0.0.1:6379"),
-                   help="Redis URL (env DEEPINFER_REDIS_URL)")
+                   help="Redis URL: redis://host:port or redis+sentinel://host:port[,host:port]/service (env DEEPINFER_REDIS_URL)")
     p.add_argument("--kv-root", default=env("DEEPINFER_KV_ROOT", os.path.expanduser("~/.cache/deepinfer/kvstore")),
                    help="storage tier root directory (env DEEPINFER_KV_ROOT)")
     default_ret = ",".join(f"{k}={v / 86400:g}d" for k, v in DEFAULT_RETENTION_S.items())
@@ -431,10 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-tokens", type=int, default=int(env("DEEPINFER_BLOCK_SIZE", "16")),
                    help="tokens per block when an event or file does not say (default 16)")
     p.add_argument("--redis-prefix", default="deepinfer:kv:", help="prefix of this index's Redis keys")
+    p.add_argument("--leader-lease", type=parse_duration, default=parse_duration("3s"),
+                   help="the leader replica's Redis lease (default 3s): a new leader takes over within ~1.3x that")
     args = p.parse_args(argv)
     config = IndexConfig(kv_root=args.kv_root, retention_s={**DEFAULT_RETENTION_S, **args.retention}, default_retention_s=args.default_retention,
                          capacity_bytes=args.capacity, sweep_interval_s=args.sweep_interval,
                          ephemeral_ttl_s=args.ephemeral_ttl, default_block_tokens=args.block_tokens,
-                         redis_prefix=args.redis_prefix)
+                         redis_prefix=args.redis_prefix, leader_lease_s=args.leader_lease)
     run_service(KVIndexService(args.nats, args.redis_url, config, args.worker_id), args.log_level,
                 metrics_port=args.metrics_port)
