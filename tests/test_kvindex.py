@@ -525,3 +525,14 @@ async def _not(svc, attr):
 
 async def _false():
     return False
+
+
+async def test_a_redis_never_reached_is_logged_once_not_kept_quiet(make_index, capsys):
+    """A Redis wrong from the start (a bad URL, a password, protected mode) is logged, once: the
+    kvindex used to log only a change from up to down, so a Redis never reached left no trace."""
+    from deepinfer.launcher import free_port
+
+    svc, client, _, _ = await make_index(FakeClock(), redis=f"redis://127.0.0.1:{free_port()}")
+    await asyncio.sleep(0.5)  # several watchdog checks (every 0.1 s)
+    assert not svc.redis_ok and not svc.leading
+    assert capsys.readouterr().out.count("redis_down") == 1

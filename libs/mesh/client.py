@@ -215,8 +215,14 @@ class MeshClient:
         await self.nc.publish(raw.reply, data, headers=inject_headers())
 
     async def drain(self) -> None:
-        if not self.nc.is_closed:
+        """Let subscriptions finish what they hold, then close; just close while NATS is being
+        reconnected to (nats-py refuses to drain then, and a stop must not fail on it)."""
+        if self.nc.is_closed:
+            return
+        try:
             await self.nc.drain()
+        except (nats.errors.ConnectionReconnectingError, nats.errors.ConnectionClosedError):
+            await self.close()
 
     async def close(self) -> None:
         if not self.nc.is_closed:

@@ -98,6 +98,7 @@ class KVIndexService(Service):
         self.redis: aioredis.Redis | None = None
         self.index: RedisIndex | None = None
         self.redis_ok = False
+        self._redis_failure_logged = False
         self.events_applied = 0
         self.gaps = 0
         self.replays = 0
@@ -287,8 +288,11 @@ class KVIndexService(Service):
         return self.redis_ok
 
     def _redis_failed(self, e: BaseException) -> None:
-        if self.redis_ok:
+        # logged when it goes down, and once when it was never up (a wrong URL, a password, a Redis
+        # in protected mode refusing other hosts: prefix caching would be off without a word)
+        if self.redis_ok or not self._redis_failure_logged:
             log.warning("redis_down", url=describe(self.redis_url), error=f"{type(e).__name__}: {e}")
+            self._redis_failure_logged = True
         self.redis_ok = False
 
     # --- leadership -------------------------------------------------------------------
