@@ -4,8 +4,8 @@ engine it builds, and bf16 greedy output against ``transformers`` in bf16 on the
 import pytest
 import torch
 
-from deepinfer.engine import dtype_choice
-from deepinfer.engine.dtype_choice import PROBE_ROWS, choose_dtype, linear_shapes, time_linears
+from deepinfer.engine import dtype_choice, llm_engine
+from deepinfer.engine.dtype_choice import PROBE_ROWS, Bf16WeightsChoice, choose_dtype, linear_shapes, time_linears
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
@@ -94,6 +94,8 @@ def test_packed_bf16_linear_equals_plain_bf16():
 def test_engine_resolves_auto_and_keys_its_kv_by_the_chosen_dtype(model_dir, monkeypatch):
     """The engine builds what the choice says (weights, KV cache, fingerprint), for each branch."""
     fp = {}
+    # (auto's third branch, bf16 weights when fp32 is kept, has its own tests: test_bf16_weights.py)
+    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(0, "fake"))
     for factor, want, torch_dtype in ((0.5, "bfloat16", torch.bfloat16), (2.0, "float32", torch.float32)):
         monkeypatch.setattr(dtype_choice, "time_linears", fake_probe(factor))
         monkeypatch.setattr(dtype_choice, "bf16_gemm_supported", lambda: True)

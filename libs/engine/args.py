@@ -26,9 +26,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="max new tokens per step (default 4096)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", default=os.environ.get("DEEPINFER_DTYPE", "auto"),
-                   choices=["auto", "float32", "bfloat16", "float16"],
+                   choices=["auto", "float32", "bfloat16", "bfloat16-weights", "float16"],
                    help="weights and KV cache: auto = bf16 where this CPU's bf16 GEMMs beat fp32 on the model's "
-                        "shapes (timed at start-up, logged), else fp32 (env DEEPINFER_DTYPE; default auto)")
+                        "shapes, else bfloat16-weights (weights rounded to bf16, fp32 activations and KV; "
+                        "decode steps read bf16 weights) where that times faster, else fp32 (timed at start-up, "
+                        "logged) (env DEEPINFER_DTYPE; default auto)")
     p.add_argument("--step-time-budget-ms", type=float,
                    default=float(os.environ.get("DEEPINFER_STEP_TIME_BUDGET_MS", 250)),
                    help="predicted compute per step that prefill chunks may fill, ms (default 250; 0 = no limit)")

@@ -14,6 +14,15 @@ choice that cannot differ between them, pass the dtype explicitly.
 Attention, norms and sampling follow the weights' dtype (logits are always fp32),
 so this also halves the KV cache's bytes per block; the storage tier's
 fingerprint includes the dtype, so a bf16 block is never read as fp32.
+
+Where "auto" stays at fp32 (a CPU without bf16 GEMMs, e.g. AVX2 only), a third
+choice is timed once the model is loaded: "bfloat16-weights" (every weight
+rounded to bf16, activations and KV cache in fp32; decode-sized steps read the
+linear weights from bf16 copies through ``kernels.cpu_gemv``, half the bytes
+of fp32: decode there is bound by memory bandwidth). ``choose_bf16_weight_rows``
+times passes of 1, 2, 4... rows through every linear layer of the model (all of
+them, so the weights stream from memory as in a real step, not from cache) on
+both paths and takes it when the 1-row pass is clearly faster.
 """
 
 from __future__ import annotations
@@ -97,8 +106,10 @@ def choose_dtype(cfg: ModelConfig, requested: str = "auto", batch_invariant: boo
     bf16_supported = bf16_supported or bf16_gemm_supported
     probe = probe or time_linears
     if requested != "auto":
-        if requested not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {requested!r}")
+        if requested not in ("float32", "bfloat16", "float16", "bfloat16-weights"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16, bfloat16-weights or float16, not {requested!r}")
+        if requested == "bfloat16-weights" and batch_invariant:
+            raise ValueError("batch-invariant mode runs float32, not bfloat16-weights")
         return DtypeChoice(requested, "asked for")
     if batch_invariant:
         return DtypeChoice("float32", "batch-invariant mode runs fp32")
@@ -112,3 +123,75 @@ def choose_dtype(cfg: ModelConfig, requested: str = "auto", batch_invariant: boo
     dtype = "bfloat16" if mean < BF16_MAX_RATIO else "float32"
     return DtypeChoice(dtype, f"bf16/fp32 GEMM time on the model's shapes: {per_rows} (geomean {mean:.2f})",
                        seconds)
+
+
+BF16W_ROWS = (1, 4, 8, 16, 32)  # row counts timed for the bf16-weights cut
+
+
+@dataclass
+class Bf16WeightsChoice:
+    """max_rows: steps of at most this many rows read bf16 weights (0: not chosen); reason: one log
+    line; seconds: {rows: (fp32 pass, bf16-weights pass)}."""
+
+    max_rows: int
+    reason: str
+    seconds: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def log_fields(self) -> dict:
+        return {"bf16_weights_max_rows": self.max_rows, "reason": self.reason,
+                "probe_ms": {m: [round(a * 1e3, 2), round(b * 1e3, 2)] for m, (a, b) in self.seconds.items()}}
+
+
+def choose_bf16_weight_rows(time_pass: Callable[[int, bool], float],
+                            rows: tuple[int, ...] = BF16W_ROWS) -> Bf16WeightsChoice:
+    """The row cut for "bfloat16-weights": ``time_pass(m, bf16)`` (seconds of one pass of ``m``
+    rows through the model's linear layers, from bf16 copies or the fp32 weights) for each of
+    ``rows`` (ascending) until fp32 is faster. max_rows is 0 unless the 1-row pass from bf16 took
+    under ``BF16_MAX_RATIO`` of fp32's; else the largest timed count up to which bf16 was faster at
+    every count."""
+    seconds: dict[int, tuple[float, float]] = {}
+    cut = 0
+    for m in rows:
+        fp32, bf16 = time_pass(m, False), time_pass(m, True)
+        seconds[m] = (fp32, bf16)
+        if bf16 >= (fp32 * BF16_MAX_RATIO if m == rows[0] else fp32):
+            break
+        cut = m
+    ratios = ", ".join(f"{m} rows {b / a:.2f}x" for m, (a, b) in seconds.items())
+    if not cut:
+        return Bf16WeightsChoice(0, f"bf16-weights/fp32 pass time: {ratios}: fp32 kept", seconds)
+    return Bf16WeightsChoice(cut, f"bf16-weights/fp32 pass time: {ratios}: bf16 weights up to {cut} rows", seconds)
+
+
+@torch.inference_mode()
+def time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int = 2) -> float:
+    """Seconds (best of ``repeats`` after a warm-up) of one pass of ``m`` random rows through every
+    layer of ``layers`` in order, each as the engine runs it: through its bf16 copy
+    (``Linear.weight_bf16``, ``kernels.cpu_gemv``) when ``bf16``, else its fp32 path (packed or
+    plain). Timing all layers in turn streams the weights from memory, as a decode step does."""
+    from deepinfer.kernels.cpu_gemv import linear_bf16w
+
+    inputs = {n: torch.randn(m, n) for n in {layer.in_features for layer in layers}}
+    saved = [layer.bf16w_max_rows for layer in layers]
+    for layer in layers:
+        layer.bf16w_max_rows = 0  # the fp32 path, as before this choice
+
+    def one_pass():
+        for layer in layers:
+            x = inputs[layer.in_features]
+            if bf16:
+                linear_bf16w(x, layer.weight_bf16, layer.bias)
+            else:
+                layer(x)
+
+    try:
+        one_pass()
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            one_pass()
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        for layer, rows in zip(layers, saved):
+            layer.bf16w_max_rows = rows

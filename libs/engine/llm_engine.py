@@ -37,7 +37,7 @@ from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.hybrid_blocks import SWA_MODES, HybridBlockManager, WindowBlockManager
 from deepinfer.engine.kv_layout import KVLayout
 from deepinfer.engine.cost_model import StepCostModel, features
-from deepinfer.engine.dtype_choice import choose_dtype
+from deepinfer.engine.dtype_choice import Bf16WeightsChoice, choose_bf16_weight_rows, choose_dtype, time_linear_pass
 from deepinfer.engine.model_runner import ModelRunner, StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.scheduler import Scheduler
@@ -46,6 +46,7 @@ from deepinfer.engine.spec_decode import SpecConfig, SpecDecoder
 from deepinfer.engine.step_threads import StepThreads, choose_step_threads
 from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.engine.swa_cache import SWAStateCache
+from deepinfer.kernels import cpu_gemv
 from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
@@ -83,9 +84,12 @@ class EngineConfig:
     chunked (``models.layers.Linear``, ``kernels.attention._per_sequence_attention``),
     for a given thread count; off by default on CPU because it roughly doubles
     batch-1 decode time there.
-    dtype: weights and KV cache: "float32", "bfloat16", "float16", or "auto"
-    (``engine.dtype_choice``: bf16 where this CPU's bf16 GEMMs clearly beat fp32
-    on the model's shapes, timed at start-up; resolved into this field).
+    dtype: weights and KV cache: "float32", "bfloat16", "float16", "bfloat16-weights"
+    (weights rounded to bf16, fp32 activations and KV cache; decode-sized steps
+    read bf16 copies of the linear weights) or "auto" (``engine.dtype_choice``:
+    bf16 where this CPU's bf16 GEMMs clearly beat fp32 on the model's shapes,
+    else bfloat16-weights where its start-up probe times faster, else fp32;
+    resolved into this field).
     packed_weights: run linear layers from packed weights (CPU: MKL for fp32,
     oneDNN for bf16; one extra copy of the weights, 1.2-5x faster GEMMs at decode batch sizes), up to
     the rows where packed GEMM stops being faster, measured per weight shape at
@@ -207,17 +211,23 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or DEFAULT_THREADS)
         self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
         self.dtype_choice = choose_dtype(ModelConfig.from_dir(model_dir), config.dtype, config.batch_invariant)
-        if config.dtype == "auto":
+        requested = config.dtype
+        if requested == "auto":
             log.info("dtype chosen", **self.dtype_choice.log_fields())
         config.dtype = self.dtype_choice.dtype
         self.model, self.model_config = load_model(model_dir, config.dtype)
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         for module in self.model.modules():
             if isinstance(module, (Linear, MoEBlock)):
                 module.batch_invariant = config.batch_invariant
             if isinstance(module, Linear) and config.packed_weights:
                 module.pack()
         if config.packed_weights and not config.batch_invariant:  # (batch-invariant mode stays packed)
-            tune_packed_rows([m for m in self.model.modules() if isinstance(m, Linear)])
+            tune_packed_rows(linears)
+        self.bf16_weights: Bf16WeightsChoice | None = None
+        if config.dtype == "bfloat16-weights" or (requested == "auto" and config.dtype == "float32"
+                                                  and not config.batch_invariant):
+            self._choose_bf16_weights(linears)
         self.kernels = kernel_select.resolve(config.kernels, next(self.model.parameters()).device)
         kernel_select.use(self.model, self.kernels)
         dtype = DTYPES[config.dtype]
@@ -269,6 +279,37 @@ class LLMEngine:
                 raise ValueError("speculative decoding is not supported on hybrid sliding-window models")
             config.async_scheduling = False
             self.spec = SpecDecoder(config.speculative, self)
+
+    @torch.inference_mode()
+    def _choose_bf16_weights(self, linears: list[Linear]) -> None:
+        """Decode-sized steps from bf16 copies of the linear weights (``dtype_choice``,
+        ``kernels.cpu_gemv``), where the start-up probe times them faster: asked for
+        ("bfloat16-weights": the weights are rounded already), or tried under ``--dtype auto``
+        when it kept fp32 (then the weights are rounded once chosen, and the dtype becomes
+        "bfloat16-weights"). Logged as ``bf16 weights chosen``."""
+        asked = self.config.dtype == "bfloat16-weights"
+        if not all([layer.keep_bf16_weight() for layer in linears]):
+            for layer in linears:
+                layer.weight_bf16 = None
+            log.info("bf16 weights chosen", bf16_weights_max_rows=0,
+                     reason=f"no bf16-weights kernel here: {cpu_gemv.unavailable_reason() or 'not a CPU fp32 model'}")
+            return
+        self.bf16_weights = choice = choose_bf16_weight_rows(functools.partial(time_linear_pass, linears))
+        log.info("bf16 weights chosen", **choice.log_fields())
+        if not choice.max_rows:
+            for layer in linears:
+                layer.weight_bf16 = None
+            return
+        if not asked:  # round the fp32 weights to the copies' values (in place: tied weights stay tied)
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    p.copy_(p.to(torch.bfloat16))
+            for layer in linears:
+                if layer.packed is not None:
+                    layer.pack()  # of the rounded values
+            self.config.dtype = "bfloat16-weights"
+        for layer in linears:
+            layer.bf16w_max_rows = choice.max_rows
 
     def _init_scheduling(self, eos_token_ids: list[int]) -> None:
         """The model-independent part: cost model, scheduler, counters, optional calibration

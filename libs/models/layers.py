@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import cpu_gemv
 from deepinfer.kernels.attention import AttentionMetadata, paged_attention, store_kvcache
 
 
@@ -46,6 +47,21 @@ class Linear(nn.Linear):
     packed_max_rows = PACKED_MAX_ROWS  # most rows run packed (per layer: ``tune_packed_rows``)
     batch_invariant = False
     packed: torch.Tensor | None = None
+    # bf16 copy of an fp32 weight whose values are bf16 already ("bfloat16-weights"): steps of at
+    # most ``bf16w_max_rows`` rows read it through ``kernels.cpu_gemv`` (half the bytes of fp32)
+    weight_bf16: torch.Tensor | None = None
+    bf16w_max_rows = 0
+
+    def keep_bf16_weight(self) -> bool:
+        """Keep a bf16 copy of the weight for decode-sized steps (``kernels.cpu_gemv``); False (and
+        nothing changes) where that kernel cannot run here or the weight is not fp32 on the CPU.
+        The weight's values must be bf16 values already (``loader`` "bfloat16-weights"), so the two
+        copies hold the same numbers."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_gemv.available():
+            return False
+        self.weight_bf16 = w.detach().to(torch.bfloat16).contiguous()
+        return True
 
     def pack(self) -> bool:
         """Build the packed weight; False (and nothing changes) where the weight is not on the CPU
@@ -75,6 +91,8 @@ class Linear(nn.Linear):
         # bits differ (seen on one AMD EPYC host, not on another)
         if self.batch_invariant and m < self.INVARIANT_MIN_ROWS:
             return self.forward(F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m)))[:m]
+        if m <= self.bf16w_max_rows and self.weight_bf16 is not None:
+            return cpu_gemv.linear_bf16w(x, self.weight_bf16, self.bias)
         # NOTE: above packed_max_rows plain linear is faster but, for some shapes (M = 129-192
         # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
         if self.packed is None or (m > self.packed_max_rows and not self.batch_invariant):

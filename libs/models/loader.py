@@ -40,7 +40,12 @@ MODEL_REGISTRY = {
     "llava": LlavaForConditionalGeneration,
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype name -> the dtype the model computes in and its KV cache holds. "bfloat16-weights": every
+# parameter rounded to bf16 once at load (the values a bf16 checkpoint has), computed in fp32; the
+# engine reads decode-sized steps' linear weights from bf16 copies (``Linear.keep_bf16_weight``)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "bfloat16-weights": torch.float32}
+ROUNDED_TO = {"bfloat16-weights": torch.bfloat16}
 
 
 class UnsupportedModel(ValueError):
@@ -48,7 +53,8 @@ class UnsupportedModel(ValueError):
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Load ``(model, config)`` from ``model_dir``; weights cast to ``dtype``.
+    """Load ``(model, config)`` from ``model_dir``; weights cast to ``dtype`` (a ``DTYPES`` name or a
+    torch dtype; "bfloat16-weights": rounded to bf16, held in fp32).
 
     Raises UnsupportedModel for unknown ``model_type``, FileNotFoundError when
     no safetensors file is present, KeyError when a weight is missing.
@@ -59,6 +65,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     cls = MODEL_REGISTRY.get(cfg.model_type)
     if cls is None:
         raise UnsupportedModel(f"model_type {cfg.model_type!r} not supported (have: {sorted(MODEL_REGISTRY)})")
+    rounded = ROUNDED_TO.get(dtype) if isinstance(dtype, str) else None
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -77,6 +84,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     missing = expected - state.keys()
     if missing:
         raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    if rounded is not None:
+        state = {k: v.to(rounded) if v.is_floating_point() else v for k, v in state.items()}
     model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
