@@ -350,6 +350,11 @@ def test_packed_rows_are_tuned_per_shape_and_route_the_gemm(monkeypatch):
     assert torch.equal(a(x), torch.zeros(40, 80)) and plain_rows == [40]  # above: F.linear
     a.batch_invariant = True  # batch-invariant mode never leaves the packed path
     assert torch.allclose(a(x), x @ a.weight.T, atol=1e-5)
+    c = Linear(64, 48, bias=False)
+    c.pack()
+    monkeypatch.setattr(F, "linear", lambda x, w, bias=None: x.new_zeros(x.shape[0], w.shape[0]))
+    assert tune_packed_rows([c]) == {(64, 48): 0}  # plain wins from the first size on:
+    assert c.packed is None  # the packed copy no step would use is dropped
 
 
 def test_engine_tunes_its_packed_layers_unless_batch_invariant(model_dir):

@@ -116,6 +116,25 @@ def test_work_sent_since_the_last_report_spreads_a_burst_until_a_report_shows_it
     assert burst(blind, 8, accept=True) == ["p0"] * 8
 
 
+def test_another_gateways_bookings_count_until_the_workers_report_shows_them():
+    """Two gateways over the same workers: each tells the other its bookings (``on_booked`` ->
+    ``peer_booked``), so a burst split over both spreads as it would through one gateway."""
+    reg_a, a, clock = setup(prefill("p0"), prefill("p1"))
+    reg_b, b, _ = setup(prefill("p0"), prefill("p1"), clock=clock)
+    told = []
+    a.on_booked = lambda *booking: told.append(booking)
+    plan = a.plan("r1", PromptShape(num_tokens=3000))
+    a.commit(plan)
+    assert told == [(plan.candidates[0].worker_id, "r1", plan.candidates[0].compute_s, 3000)]
+    assert first(b, 3000) == plan.candidates[0].worker_id  # b has not heard of it: the same worker
+    b.peer_booked(*told[0])
+    assert first(b, 3000) != plan.candidates[0].worker_id  # now it counts a's work there
+    clock.t += 1.0  # the worker's next report shows the request: the booking is retired
+    reg_b.observe(prefill(told[0][0], queued_prefill_s=told[0][2]))
+    b.plan("x", PromptShape(num_tokens=10))
+    assert told[0][0] not in b.sent_counts()
+
+
 def test_a_refusal_moves_the_booking_to_the_worker_that_accepted():
     _, router, _ = setup(prefill("p0"), prefill("p1"))
     plan = router.plan("r", PromptShape(num_tokens=500))
@@ -855,3 +874,35 @@ def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_sl
     # hops and SSE, which with 4 mock workers, the gateway and this client sharing 2 cores measured
     # p99 2.3-2.7 s alone and 3.15 s in the full suite
     assert percentile(ttft, 99) <= slo * 1.4
+
+
+@pytest.mark.acceptance
+@pytest.mark.timeout(300)
+def test_two_gateways_sharing_the_workers_route_about_as_well_as_one(mock_mesh):
+    """Each gateway books prefill compute for what it sends and learns the other's only from the
+    workers' load reports (every 0.5 s here), so within one report period both may pick the same
+    worker. Measured: the same load through one gateway, and split over two (alternate requests),
+    side by side; the two must stay within a bound of one and every request must complete."""
+    import asyncio
+
+    load = skewed_load()
+    one = start_gateway(mock_mesh)
+    two = [start_gateway(mock_mesh), start_gateway(mock_mesh)]
+    wait_idle(mock_mesh)
+    single = asyncio.run(replay(one, load, salt="one-gateway"))
+    wait_idle(mock_mesh)
+    halves = [load[0::2], load[1::2]]
+
+    async def split():
+        return await asyncio.gather(*(replay(url, half, salt=f"two-gateways-{i}", seed=i + 1)
+                                      for i, (url, half) in enumerate(zip(two, halves))))
+
+    shared = [r for half in asyncio.run(split()) for r in half]
+    assert all(r.ok for r in single + shared), [r for r in single + shared if not r.ok][:3]
+    figures = {name: {q: percentile([r.ttft for r in res], q) for q in (50, 90, 99)}
+               for name, res in (("one gateway", single), ("two gateways", shared))}
+    print("\nTTFT seconds, 64 requests on 4 mock prefill workers:")
+    for name, f in figures.items():
+        print(f"  {name:13s} " + "  ".join(f"p{q} {v:.3f}" for q, v in f.items()))
+    one_p90, two_p90 = figures["one gateway"][90], figures["two gateways"][90]
+    assert two_p90 <= max(1.5 * one_p90, one_p90 + 0.5), figures

@@ -310,6 +310,8 @@ class LLMEngine:
             self.config.dtype = "bfloat16-weights"
         for layer in linears:
             layer.bf16w_max_rows = choice.max_rows
+            if layer.packed_max_rows <= choice.max_rows:
+                layer.packed = None  # every step it would serve reads the bf16 copy: its memory back
 
     def _init_scheduling(self, eos_token_ids: list[int]) -> None:
         """The model-independent part: cost model, scheduler, counters, optional calibration

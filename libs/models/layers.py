@@ -116,7 +116,8 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
     Per weight shape (measured once per process and torch thread count): the M of ``grid``
     before the first at which ``F.linear`` beat the packed GEMM (best of 3 timed calls each on
     random rows [M, in_features] in the weight's dtype), or the last M of the grid if it never did; 0 when it
-    already did at the first. Returns (in_features, out_features) -> rows. Costs ~0.5 s for
+    already did at the first (then the packed copy is dropped: no step would use it). Returns
+    (in_features, out_features) -> rows. Costs ~0.5 s for
     SmolLM2-135M's shapes on one thread.
 
     NOTE: the crossover is a property of the CPU. On one AMD EPYC host packed GEMM won up to
@@ -134,6 +135,8 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
         if key not in _PACKED_ROWS:
             _PACKED_ROWS[key] = _measure_crossover(layer, grid)
         layer.packed_max_rows = out[key[:2]] = _PACKED_ROWS[key]
+        if not layer.packed_max_rows:
+            layer.packed = None  # never faster here: its memory back (a copy of the weight)
     return out
 
 

@@ -23,6 +23,7 @@ from deepinfer.protocol.messages import (  # noqa: F401
     KVLookupReply,
     KVLookupRequest,
     LoadReport,
+    PrefillBooked,
     PrefillRequest,
     ProtocolError,
     SamplingParams,

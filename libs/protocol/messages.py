@@ -446,6 +446,20 @@ class KVLookupReply:
 
 
 @message
+class PrefillBooked:
+    """gateway -> other gateways (``deepinfer.router.booked``): ``gateway_id`` sent request
+    ``request_id`` to prefill worker ``worker_id``, predicting ``seconds`` of compute for
+    ``tokens`` prompt tokens. The others count it in that worker's queue until its next load
+    report (which then shows it), as they do their own."""
+
+    gateway_id: str
+    worker_id: str
+    request_id: str
+    seconds: float
+    tokens: int
+
+
+@message
 class KVIndexHealthRequest:
     """anyone -> kvindex: report your state (``KVIndexHealth``)."""
 

@@ -40,6 +40,10 @@ DECODE_ABORT_ANY = f"{PREFIX}.decode.abort"
 # Heartbeats / load reports of every worker: deepinfer.load.<role>.<worker_id>
 LOAD_ALL = f"{PREFIX}.load.>"
 
+# Gateways -> every other gateway (plain subscription): PrefillBooked, each prefill booking as it
+# is made, so gateways sharing workers see each other's before the workers' next load report.
+ROUTER_BOOKED = f"{PREFIX}.router.booked"
+
 # Expert load balancing. MoE workers -> balancer: ExpertStats (plain subscription:
 # run one balancer). Balancer -> every MoE worker: ExpertPlacementUpdate, the latest one per
 # model also kept in the JetStream KV bucket EXPERTS_BUCKET under placement_key(model), so a

@@ -12,6 +12,7 @@ request bodies included (``describe_request_bodies``).
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 import structlog
@@ -38,6 +39,7 @@ from deepinfer.gateway.responses_api import add_routes as add_responses_routes
 from deepinfer.gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 from deepinfer.gateway.tokenize_api import add_routes as add_tokenize_routes
 from deepinfer.mesh import MeshClient
+from deepinfer.protocol import PrefillBooked, subjects
 from deepinfer.telemetry import extract_context, get_logger, tracer
 
 log = get_logger(__name__)
@@ -47,6 +49,31 @@ REQUEST_BODIES = {"/v1/chat/completions": oai.ChatCompletionRequest, "/v1/comple
                   "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
                   "/v1/messages/count_tokens": CountTokensRequest, "/tokenize": TokenizeRequest,
                   "/detokenize": DetokenizeRequest}
+
+
+async def share_bookings(gw: Gateway) -> None:
+    """Tell the other gateways each prefill booking this one makes, and count theirs
+    (``Router.peer_booked``): gateways sharing workers otherwise learn each other's bookings only
+    from the workers' next load reports, and meanwhile send work to the same idle worker."""
+    me = gw.config.worker_id
+
+    async def on_booked(msg: PrefillBooked) -> None:
+        if msg.gateway_id != me:
+            gw.router.peer_booked(msg.worker_id, msg.request_id, msg.seconds, msg.tokens)
+
+    def announce(worker_id: str, request_id: str, seconds: float, tokens: int) -> None:
+        msg = PrefillBooked(gateway_id=me, worker_id=worker_id, request_id=request_id, seconds=seconds,
+                            tokens=tokens)
+        task = asyncio.get_running_loop().create_task(gw.mesh.publish(subjects.ROUTER_BOOKED, msg))
+        task.add_done_callback(_log_failure)
+
+    await gw.mesh.subscribe(subjects.ROUTER_BOOKED, on_booked)
+    gw.router.on_booked = announce
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("booking_not_shared", error=str(task.exception()))
 
 
 def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI:
@@ -60,6 +87,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     async def lifespan(_: FastAPI):
         gw.mesh = await MeshClient.connect(config.nats_url, name=config.worker_id)
         await gw.registry.start(gw.mesh)
+        await share_bookings(gw)
         log.info("gateway_started", model=gw.model.served_name, max_model_len=gw.model.max_model_len,
                  nats=config.nats_url, host=config.host, port=config.port)
         try:

@@ -251,6 +251,9 @@ class Router:
         self._computing = InflightPrefixes()  # prompts booked or accepted, until their first token
         self._turn = 0  # round robin and tie-breaking
         self._off_tier: set[str] = set()  # workers found on another storage tier (logged once)
+        # called with (worker id, request id, seconds, tokens) on each prefill booking (the gateway
+        # tells the other gateways: ``peer_booked``); None: nobody to tell
+        self.on_booked: Callable[[str, str, float, int], None] | None = None
         # (when, measured - predicted TTFT), seconds
         self._errors: deque[tuple[float, float]] = deque(maxlen=BIAS_WINDOW)
 
@@ -336,7 +339,9 @@ class Router:
             self._forget_dead()
         if plan.candidates:
             cand = plan.candidates[0]
-            self._book_prefill(plan, cand.worker_id, now)
+            entry = self._book_prefill(plan, cand.worker_id, now)
+            if self.on_booked is not None:
+                self.on_booked(cand.worker_id, plan.request_id, entry.seconds, entry.tokens)
             self._note_computing(plan, cand.worker_id)
             if ttft_slo_s is not None:
                 self._awaiting.setdefault(cand.worker_id, {})[plan.request_id] = plan.started_at + ttft_slo_s
@@ -413,6 +418,15 @@ class Router:
         for rid in [rid for rid, deadline in waiting.items() if now > deadline]:
             del waiting[rid]  # late already (or its end was never reported): nothing left to protect
         return min(waiting.values(), default=math.inf) - now
+
+    def peer_booked(self, worker_id: str, request_id: str, seconds: float, tokens: int) -> None:
+        """Another gateway booked ``seconds`` of predicted compute (``tokens`` prompt tokens) on
+        prefill worker ``worker_id``: count it in that worker's queue, as accepted now, so the
+        worker's next load report (which shows it) retires it (``_pending``). Gateways sharing
+        workers then double-book only within the message's trip, not a whole report period."""
+        now = self.clock()
+        self._prefill_sent.setdefault(worker_id, {})[request_id] = _Sent(seconds, tokens, until=now + 60.0,
+                                                                          accepted_at=now)
 
     def _book_prefill(self, plan: Plan, worker_id: str, now: float) -> _Sent:
         cand = next((c for c in plan.candidates if c.worker_id == worker_id), None)
