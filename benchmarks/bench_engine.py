@@ -105,7 +105,9 @@ def main():
                 name = f"deepinfer {'async' if overlapped else 'sync'} {chosen}"
                 rows.append((name, b, run_engine(engine, prompt_ids(tok, b), args.max_tokens, overlapped)))
         if not args.skip_hf:
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, chosen)).eval()
+            # bfloat16-weights: transformers loaded in bf16 and run in fp32 (the same rounded weights)
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, chosen.removesuffix("-weights")))
+            hf = (hf.float() if chosen == "bfloat16-weights" else hf).eval()
             for b in args.batches:
                 rows.append((f"transformers {chosen}", b, run_hf(hf, tok, prompt_ids(tok, b), args.max_tokens)))
             del hf
