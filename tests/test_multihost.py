@@ -61,6 +61,7 @@ from typing import Callable
 import httpx
 import openai
 import pytest
+from test_redis_sentinel import until as until_async
 
 from deepinfer.launcher import ManagedProcess, nats_server_binary, redis_server_binary, wait_for_port
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, resolve_model
@@ -259,19 +260,9 @@ def hosts():
         h.teardown()
 
 
-async def _until(fn, timeout: float, interval: float = 0.2):
-    """Await ``fn()`` until truthy (exceptions count as not yet); fail after ``timeout`` s."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            value = await asyncio.wait_for(fn(), 5)
-            if value:
-                return value
-            last = value
-        except Exception as e:  # noqa: BLE001 (not yet)
-            last = e
-        await asyncio.sleep(interval)
-    raise AssertionError(f"not within {timeout} s (last: {last!r})")
+def _until(fn, timeout: float, interval: float = 0.2):
+    """``test_redis_sentinel.until``, polling every 0.2 s."""
+    return until_async(fn, timeout, interval)
 
 
 class SpreadMesh:

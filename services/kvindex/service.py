@@ -335,12 +335,7 @@ class KVIndexService(Service):
 
     async def _stop_lead_tasks(self) -> None:
         tasks, self._lead_tasks = self._lead_tasks, []
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=3.0)
-            if pending:
-                log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
+        await _cancel(tasks)
         if self._events_sub is not None:
             # NOTE: left subscribed, the pull subscription held the connection's drain for its whole
             # 5 s bound at every stop; unacked events stay in the durable consumer for the next leader
@@ -465,13 +460,7 @@ class KVIndexService(Service):
         # NOTE: nats-py may turn a cancellation inside fetch() into another error, so the
         # loops also check _stopping, and the wait is bounded.
         self._stopping = True
-        tasks = [t for t in [*self._tasks, self._replay_task] if t is not None]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=3.0)
-            if pending:
-                log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
+        await _cancel([t for t in [*self._tasks, self._replay_task] if t is not None])
         await self._stop_lead_tasks()
         if self.leading and self.redis_ok:  # the next replica takes over now, not after the lease
             try:
@@ -486,6 +475,16 @@ class KVIndexService(Service):
                 await self.redis.aclose()
             except Exception:
                 pass
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait for them, at most 3 s (logged if some did not stop)."""
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=3.0)
+        if pending:
+            log.warning("kvindex_tasks_did_not_stop", tasks=len(pending))
 
 
 def main(argv: list[str] | None = None) -> None:
