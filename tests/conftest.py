@@ -8,6 +8,9 @@ the same launcher code that ``deepinfer up`` uses.
 - ``openai_client``: the official ``openai`` client pointed at ``mesh``.
 - ``make_mesh``: start a private mesh for destructive tests (kill a worker,
   restart one...); each one is stopped when the test ends.
+- ``@pytest.mark.quiet``: a test that measures latency against a bound runs
+  alone: under ``-n N`` the other test workers finish their current test and
+  wait (``cpu_turn``), so another test's load is not measured as its own.
 
 Logs of every process are kept under pytest's temporary directory
 (``<basetemp>/mesh*/logs``) for debugging a failed run.
@@ -15,12 +18,16 @@ Logs of every process are kept under pytest's temporary directory
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import functools
 import gc
 import os
 import re
+import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -106,6 +113,38 @@ def pytest_runtest_teardown(item):
         gc.collect()
         if _libc is not None:
             _libc.malloc_trim(0)  # hand the freed heap back to the OS, so the next test starts lean
+
+
+@contextlib.contextmanager
+def cpu_turn(rootdir: Path, exclusive: bool):
+    """A readers-writer lock over the test workers of one run (files keyed by the root dir):
+    every test holds it shared; a ``quiet`` test holds it exclusively. A ``gate`` lock gives the
+    exclusive side priority: while a quiet test waits, other workers start no new test."""
+    base = Path(tempfile.gettempdir()) / f"deepinfer-tests-{zlib.crc32(str(rootdir).encode()):08x}"
+    with open(f"{base}.gate", "a+") as gate, open(f"{base}.lock", "a+") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, each test (with the module fixtures its setup and teardown start or stop)
+    runs inside ``cpu_turn``: a ``quiet`` one alone."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    with cpu_turn(item.config.rootpath, item.get_closest_marker("quiet") is not None):
+        yield
 
 
 @functools.cache

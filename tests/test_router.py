@@ -384,6 +384,36 @@ def test_measured_lateness_of_first_tokens_is_added_to_predictions_before_the_sl
     assert len(router._errors) == 8
 
 
+def test_requests_still_waiting_past_their_predicted_first_token_count_as_late_at_once():
+    """A burst: eight requests admitted together, none has its first token yet. Once they are
+    overdue, their lateness so far (a lower bound of their errors) is counted before a single
+    first token arrives."""
+    clock = Clock()
+    reg, router, _ = setup(prefill("a"), prefill("b"), clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=4.0))
+    shape = PromptShape(num_tokens=7000)  # ~0.74 s predicted alone
+    plans = []
+    for i in range(8):
+        plans.append(plan := router.plan(f"r{i}", shape))
+        adm.check(plan)
+        router.commit(plan, ttft_slo_s=4.0)
+        router.accepted(plan, plan.candidates[0].worker_id)
+    latest = max(p.started_at + p.predicted_ttft_s for p in plans)
+    clock.t = latest - 0.01
+    assert router.ttft_bias_s() == 0.0  # not all due yet: too few samples
+    clock.t = latest + 4.0  # all eight overdue by 4 s or more, and past their deadlines
+    reg.observe(prefill("a"))  # the workers' queues are empty again (as reported)
+    reg.observe(prefill("b"))
+    assert router.ttft_bias_s() >= 4.0
+    with pytest.raises(Exception, match="exceeds the 4s SLO") as e:
+        adm.check(router.plan("next", shape))  # 0.74 s predicted, 4 s late
+    assert e.value.code == "ttft_slo"
+    for plan in plans:  # they end without a first token: no lateness is left pending
+        router.first_token(plan)
+    assert router.ttft_bias_s() == 0.0 and not router._expected
+    adm.check(router.plan("after", shape))
+
+
 def test_a_lateness_that_refuses_everything_ages_out():
     """First tokens 26 s late (a burst the model did not see coming) make every prediction miss the
     SLO, so nothing is admitted and no new sample comes: after ``BIAS_MAX_AGE_S`` without one the
@@ -821,6 +851,7 @@ def start_gateway(mesh, *args: str) -> str:
 
 
 @pytest.mark.acceptance
+@pytest.mark.quiet
 @pytest.mark.timeout(300)
 def test_predicted_finish_beats_round_robin_and_least_loaded_on_p90_ttft(mock_mesh):
     import asyncio
@@ -844,6 +875,7 @@ def test_predicted_finish_beats_round_robin_and_least_loaded_on_p90_ttft(mock_me
 
 
 @pytest.mark.acceptance
+@pytest.mark.quiet
 @pytest.mark.timeout(300)
 def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_slo(mock_mesh):
     import asyncio
@@ -877,6 +909,7 @@ def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_sl
 
 
 @pytest.mark.acceptance
+@pytest.mark.quiet
 @pytest.mark.timeout(300)
 def test_two_gateways_sharing_the_workers_route_about_as_well_as_one(mock_mesh):
     """Each gateway books prefill compute for what it sends and learns the other's only from the

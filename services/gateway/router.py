@@ -256,6 +256,8 @@ class Router:
         self.on_booked: Callable[[str, str, float, int], None] | None = None
         # (when, measured - predicted TTFT), seconds
         self._errors: deque[tuple[float, float]] = deque(maxlen=BIAS_WINDOW)
+        # request id -> when its first token is predicted (router clock, s), until it arrives or ends
+        self._expected: dict[str, float] = {}
 
     # --- the request ---------------------------------------------------------------------
     def hash_params(self) -> tuple[str, int] | None:
@@ -345,6 +347,9 @@ class Router:
             self._note_computing(plan, cand.worker_id)
             if ttft_slo_s is not None:
                 self._awaiting.setdefault(cand.worker_id, {})[plan.request_id] = plan.started_at + ttft_slo_s
+            self._expected[plan.request_id] = plan.started_at + plan.waited_s + cand.finish_s
+            if len(self._expected) > MAX_COMPUTING:  # ends never reported: the oldest go
+                del self._expected[next(iter(self._expected))]
         if self.config.prefill_role == "decode":  # aggregated: the worker that prefills decodes too
             plan.decode_worker = plan.candidates[0].worker_id if plan.candidates else None
             return
@@ -377,6 +382,7 @@ class Router:
             for sent in book.values():
                 sent.pop(plan.request_id, None)
         self._computing.remove(plan.request_id)
+        self._expected.pop(plan.request_id, None)
 
     def first_token(self, plan: Plan, arrived: bool = False) -> None:
         """The request's first token ``arrived`` (or it ended without): no deadline to keep any more.
@@ -384,6 +390,7 @@ class Router:
         for waiting in self._awaiting.values():
             waiting.pop(plan.request_id, None)
         self._computing.remove(plan.request_id)
+        self._expected.pop(plan.request_id, None)
         if arrived and plan.started_at is not None and plan.predicted_ttft_s is not None:
             now = self.clock()
             self._errors.append((now, now - plan.started_at - plan.waited_s - plan.predicted_ttft_s))
@@ -393,17 +400,21 @@ class Router:
         """How much later than predicted first tokens arrive here, seconds (>= 0): the median over
         the last ``BIAS_WINDOW`` requests of measured TTFT (gateway: routing to first chunk) minus
         predicted. It is what the model leaves out: the gateway's and the network's time, steps
-        slower than the workers' fitted cost models (CPU contention), prefix loads. 0 while fewer
-        than ``BIAS_MIN_SAMPLES`` came in the last ``BIAS_MAX_AGE_S``: a bias that refuses every
-        request gets no new samples, so it must age out or it would refuse everything for ever
-        (admission then lets requests in again and measures anew). The median, not a high
-        quantile: the scheduler lets later prompts overtake earlier ones, which spreads the errors
-        both ways around it."""
-        since = self.clock() - BIAS_MAX_AGE_S
+        slower than the workers' fitted cost models (CPU contention), prefix loads. A request still
+        awaiting its first token past its predicted time counts too, with its lateness so far (a
+        lower bound of its error): in a burst the errors show while the requests wait, not seconds
+        later when their first tokens come. 0 while fewer than ``BIAS_MIN_SAMPLES`` came in the
+        last ``BIAS_MAX_AGE_S``: a bias that refuses every request gets no new samples, so it must
+        age out or it would refuse everything for ever (admission then lets requests in again and
+        measures anew). The median, not a high quantile: the scheduler lets later prompts overtake
+        earlier ones, which spreads the errors both ways around it."""
+        now = self.clock()
+        since = now - BIAS_MAX_AGE_S
         recent = [error for when, error in self._errors if when >= since]
+        recent += [now - at for at in self._expected.values() if since <= at < now]
         if len(recent) < BIAS_MIN_SAMPLES:
             return 0.0
-        return max(0.0, statistics.median(recent))
+        return max(0.0, statistics.median(recent[-BIAS_WINDOW:]))
 
     def slack(self, worker_id: str) -> float:
         """Seconds until the earliest TTFT deadline among the requests this gateway sent
