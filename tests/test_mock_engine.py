@@ -377,3 +377,55 @@ def test_trace_replay_through_a_mock_mesh_reaches_the_ideal_hit_rate_and_writes_
     png = (tmp_path / "out" / "ttft_over_time.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "hit rate (tokens)" in replay.format_table(s)
+
+
+async def test_outputs_of_an_aborted_sequence_never_reach_a_new_request_under_the_same_id():
+    """A resume on the same worker: the gateway aborts the request's copy and submits it again under
+    the same id. A step that ran before the engine thread applied the abort posts the old copy's
+    tokens; they must not be delivered as the new copy's (they would stream at its offsets)."""
+    import threading
+
+    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.llm_engine import StepOutput
+
+    class Stepper:  # one sequence per id; step() waits for ``go`` and emits the sequence's marker
+        config = EngineConfig(async_scheduling=False)
+
+        def __init__(self):
+            self.seqs: dict[str, int] = {}
+            self.go = threading.Event()
+            self.stepping = threading.Event()
+
+        def has_unfinished(self):
+            return bool(self.seqs)
+
+        def add_request(self, request_id, prompt_token_ids):
+            self.seqs[request_id] = prompt_token_ids[0]
+
+        def abort(self, request_id):
+            self.seqs.pop(request_id, None)
+
+        def step(self):
+            snapshot = dict(self.seqs)
+            self.stepping.set()
+            self.go.wait(5)
+            self.go.clear()
+            return [StepOutput(rid, [marker], None, 1) for rid, marker in snapshot.items()]
+
+    engine = Stepper()
+    got: list[int] = []
+    ae = AsyncEngine(engine, lambda outs: got.extend(t for o in outs for t in o.new_token_ids))
+    ae.start()
+    try:
+        await ae.add_request(request_id="r", prompt_token_ids=[1])  # the first copy
+        await asyncio.get_running_loop().run_in_executor(None, engine.stepping.wait, 5)
+        ae.abort("r")  # while its step runs: that step's token is the old copy's
+        resumed = asyncio.ensure_future(ae.add_request(request_id="r", prompt_token_ids=[2]))
+        engine.go.set()
+        await resumed
+        for _ in range(3):
+            engine.go.set()
+            await asyncio.sleep(0.05)
+    finally:
+        ae.stop()
+    assert got and set(got) == {2}, got

@@ -4,6 +4,12 @@ Commands (add, abort) go in through a thread-safe queue and are applied at a
 step boundary; each step's outputs come back to the loop with
 ``call_soon_threadsafe``. torch releases the GIL inside its kernels, so the
 loop keeps serving NATS while a forward pass runs.
+
+After ``abort(request_id)`` no output of the aborted sequence reaches ``on_outputs``:
+a step that ran before the engine thread applied the abort may have posted some,
+and a new request under the same id (a resume of the request on this worker) must
+not be credited with them. Outputs and the abort's application reach the loop in
+the order the engine thread posts them, so the ones in between are dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class AsyncEngine:
         # request id -> prompt tokens, for every request added and not finished (engine thread only):
         # what a failed step must end, even a request the failing step had already taken out of the queues
         self._live: dict[str, int] = {}
+        # request id -> aborts the engine thread has not applied yet (loop only): its outputs are dropped
+        self._aborting: dict[str, int] = {}
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -52,7 +60,22 @@ class AsyncEngine:
         return await fut
 
     def abort(self, request_id: str) -> None:
+        """Remove the request at the next step boundary; from now on none of its outputs are delivered."""
+        self._aborting[request_id] = self._aborting.get(request_id, 0) + 1
         self._commands.put(("abort", request_id, None))
+
+    def _aborted(self, request_id: str) -> None:
+        """(loop) The engine thread applied an abort of ``request_id``: later outputs are a new request's."""
+        left = self._aborting.pop(request_id, 0) - 1
+        if left > 0:
+            self._aborting[request_id] = left
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """(loop) Hand ``outputs`` on, less those of requests aborted meanwhile."""
+        if self._aborting:
+            outputs = [o for o in outputs if o.request_id not in self._aborting]
+        if outputs:
+            self.on_outputs(outputs)
 
     def _resolve(self, fut, exc=None, result=None):
         if fut.done():
@@ -67,6 +90,7 @@ class AsyncEngine:
         if kind == "abort":
             self.engine.abort(arg)
             self._live.pop(arg, None)
+            self._loop.call_soon_threadsafe(self._aborted, arg)
             return
         try:
             if kind == "call":
@@ -99,7 +123,7 @@ class AsyncEngine:
                 if out.finish_reason is not None:
                     self._live.pop(out.request_id, None)
             if outputs:
-                self._loop.call_soon_threadsafe(self.on_outputs, outputs)
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _fail_all(self) -> list[StepOutput]:
         """End every live request with finish reason "error" (after a step raised): those in the
