@@ -451,6 +451,31 @@ class SpreadMesh:
             return info.cluster.leader, [r.name for r in (info.cluster.replicas or [])]
         return self.on_mesh(ask)
 
+    def nats_node_of(self, host: str) -> str:
+        """The nats server the services on ``host`` are connected to (its established client
+        connections, as ``ss`` lists them in the host's namespace)."""
+        out = subprocess.run(["ip", "netns", "exec", self.hosts.ns[host], "ss", "-Htn", "state", "established",
+                              f"( dport = :{NATS_PORT} )"], capture_output=True, text=True, check=True).stdout
+        peers = {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+        nodes = {name for name, h in self.nats_host.items() if self.hosts.addr[h] in peers}
+        assert len(nodes) == 1, f"{host} is connected to {sorted(peers)}"
+        return nodes.pop()
+
+    def make_stream_leader(self, node: str, tries: int = 12) -> None:
+        """Ask the KV events stream's leader to step down until ``node`` leads it."""
+        def leader() -> str:
+            try:
+                return self.stream_leader()[0] or ""
+            except Exception:  # noqa: BLE001 (an election: no leader yet)
+                return ""
+
+        for _ in range(tries):
+            if leader() == node:
+                return
+            self.on_mesh(lambda nc: nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{KV_EVENTS_STREAM}", b"", timeout=5))
+            until(lambda: bool(leader()), 10, "the KV events stream elects a leader")
+        raise AssertionError(f"{node} did not become the stream leader in {tries} elections")
+
     def stored_roundtrip(self, gateway: str = "gateway-0") -> bool:
         """A stored response created and read back through a gateway (its Redis, via Sentinel)."""
         def go() -> bool:
@@ -882,18 +907,15 @@ def test_scenario_worker_host_link_cut(spread):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=False, reason=(
-    "known bug: when the killed NATS node is the one a gateway is connected to, that gateway's "
-    "in-flight streams lose their token chunks while nats-py reconnects to another node (core NATS "
-    "is at most once) and wait for the gateway's inactivity timeout (60 s) instead of resuming at "
-    "once; seen on a clean clone: 4 of 69 requests had no end within 30 s. Passes when the gateway "
-    "was connected to a surviving node"))
 def test_scenario_nats_stream_leader_killed(spread):
-    """SIGKILL the nats-server that leads the KV events stream (R3): the stream elects a new
+    """SIGKILL the nats-server that leads the KV events stream (R3), made the one gateway-0 is
+    connected to (the worst case: the gateway's in-flight streams lose chunks while it
+    reconnects, and must resume, not wait for the inactivity timeout): the stream elects a new
     leader among the two others, the services connected to the dead one reconnect to another,
-    and requests keep completing; recovery is until the stream has a new leader and a request
-    completes."""
-    leader, _ = spread.stream_leader()
+    and requests keep completing with the right text; recovery is until the stream has a new
+    leader and a request completes."""
+    leader = spread.nats_node_of("front")  # the worst case: gateway-0 loses its server too
+    spread.make_stream_leader(leader)
     gws = ["gateway-0"]
     with Load(spread, gws) as load:
         time.sleep(2)
