@@ -155,7 +155,7 @@ def _test_kind(path: str) -> str:
     in-process (a few GB at its peak), else the module itself."""
     text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
     if (re.search(r"\b(make_mesh|openai_client)\b|def test_\w+\([^)]*\bmesh\b", text)
-            or ("Mesh(" in text and "MOCK_ARGS" not in text)):
+            or (re.search(r"\bMesh\(", text) and "MOCK_ARGS" not in text)):
         return "meshes"
     return "engines" if "LLMEngine" in text else path
 
