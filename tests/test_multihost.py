@@ -944,6 +944,24 @@ def test_scenario_nats_stream_leader_killed(spread):
     spread.wait_healthy({"tokenizer": 1, "prefill": 1, "decode": 2}, 30)
     print(f"    a new prompt's blocks indexed through the new stream leader "
           f"{index_grows(spread, 'after-nats'):.1f}s after it was sent")
+    # the node comes back (same name, address and store): it rejoins the cluster and its replica
+    # of the stream catches up, so the cluster is R3 again
+    dead = spread.procs[leader]
+    spread.procs[leader] = spread.hosts.start(spread.nats_host[leader], leader, dead.argv[4:], dead.log_path,
+                                              env=dict(os.environ))
+    restarted = time.monotonic()
+
+    def rejoined() -> bool:
+        try:
+            info = spread.on_mesh(lambda nc: nc.jetstream().stream_info(KV_EVENTS_STREAM))
+        except Exception:  # noqa: BLE001 (not answering yet)
+            return False
+        peers = {info.cluster.leader: True, **{r.name: bool(r.current) and not r.offline
+                                                for r in (info.cluster.replicas or [])}}
+        return len(peers) == 3 and all(peers.values())
+
+    until(rejoined, 60, f"{leader} rejoins and its replica of the events stream is current")
+    print(f"    {leader} restarted: its stream replica current again {time.monotonic() - restarted:.1f}s later")
 
 
 # --- failover across hosts (last: it kills a worker) -----------------------------------------
