@@ -467,6 +467,29 @@ async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_a
     assert 0 in aborts and 101 not in aborts and -1 not in aborts  # the old copy only
 
 
+async def test_a_lost_first_token_resumes_from_the_prompt_alone(nats_alone):
+    """The gap is the first token (prefill's chunk was lost): the client has nothing, so the
+    request resumes on a decode worker from the prompt alone (it samples the first token again)
+    instead of failing; the old copy is aborted and its late chunks dropped."""
+    want = list(range(700, 708))
+
+    async def prefill(publish):
+        # want[0] (prefill's chunk, offset 0) is lost in transit
+        await publish([], 1, "decode-a", 0)
+        await publish(want[1:3], 1, "decode-a", 0)
+
+    async def decode(publish, req):
+        n = len(req.output_token_ids)
+        await publish(want[3:4], 3, "decode-a", 0)  # the old copy, late
+        await publish([], n, "decode-a", req.attempt)
+        await publish(want[n:], n, "decode-a", req.attempt, final=True)
+
+    got, _, resumes, aborts = await scripted_stream(nats_alone, "gap-first", want, prefill, decode)
+    assert got == want
+    assert len(resumes) == 1 and resumes[0].output_token_ids == [] and resumes[0].attempt == 101
+    assert 0 in aborts and 101 not in aborts
+
+
 # --- 8. the soak (``deepinfer bench soak``), briefly ------------------------------------------
 
 

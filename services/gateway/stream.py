@@ -351,15 +351,16 @@ class RequestStream:
     async def _gap(self, chunk: TokenChunk, have: int) -> None:
         """``chunk`` starts past the tokens received: some were lost in transit. Resume from what
         the client was given (on any live decode worker, the same one too: its copy is aborted and
-        its later chunks dropped by attempt); with nothing given yet there is nothing to resume
-        from: a clear error. Raises StreamError when no worker takes it."""
+        its later chunks dropped by attempt). With nothing given yet (the first token was lost) the
+        resume starts from the prompt alone: the decode worker computes what the storage tier does
+        not hold and samples the first token again (a seeded sampler draws the same). Raises
+        StreamError when no worker takes it."""
         reason = (f"{chunk.offset - have} tokens from {chunk.role} worker {chunk.worker_id} were lost in transit "
                   "(the mesh connection was interrupted)")
         if chunk.role == "decode" and (chunk.worker_id, chunk.attempt) != (self.worker_id, self._watched_attempt()):
             await self._publish_abort("decode", chunk.worker_id, chunk.attempt)
-        if have == 0:
-            await self._fail(abort=True)
-            raise StreamError(f"{reason}, its first token among them; nothing to resume from")
+        if self.phase is Phase.PREFILL:  # prefill's first token is out (a later token came): decode resumes
+            self.phase = Phase.HANDOFF
         await self._failover(reason, keep=True)
 
     def _watched_attempt(self) -> int:
