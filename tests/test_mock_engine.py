@@ -79,6 +79,7 @@ def test_mock_schedules_chunks_preempts_and_hits_the_prefix_cache_like_the_real_
     assert computed < queried and hits >= 80 and peak >= 2 and (preemptions > 0 or overlapped)
 
 
+@pytest.mark.quiet  # the mock sleeps the modelled time: another test's load shows as its error
 def test_step_time_follows_the_timing_model(model_dir):
     timing = (0.02, 2e-4, 1e-7, 2e-5)
     e = MockEngine(model_dir, EngineConfig(step_time_budget_s=0.06, calibrate=True), MockConfig(cost=timing))
