@@ -38,11 +38,7 @@ What is checked:
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import copy
-import importlib
-import io
 import json
 import os
 import re
@@ -50,11 +46,12 @@ import shlex
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from unittest import mock
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
+from cli_args import ServiceArgs, parse_service
 
 from deepinfer.cli import PLANNED
 
@@ -342,82 +339,6 @@ def check_dockerfile(text: str) -> list[str]:
 # ----------------------------------------------------------------- service parsing
 
 
-class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace):
-        super().__init__(parser.prog)
-        self.parser, self.namespace = parser, namespace
-
-
-class _RecordingEnv(dict):
-    """A stand-in for ``os.environ`` that remembers which variables were looked up."""
-
-    def __init__(self, data):
-        super().__init__(data)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
-
-    def setdefault(self, key, default=None):
-        self.read.add(key)
-        return super().setdefault(key, default)
-
-
-class ServiceArgs:
-    """What ``deepinfer <argv>`` parses in a container, or the problem that stops it."""
-
-    def __init__(self, service: str | None, namespace: argparse.Namespace | None, env_read: set[str],
-                 error: str | None):
-        self.service, self.namespace, self.env_read, self.error = service, namespace, env_read, error
-
-    def get(self, dest: str, default=None):
-        return getattr(self.namespace, dest, default) if self.namespace is not None else default
-
-
-def _parse(argv: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> ServiceArgs:
-    from deepinfer import cli
-
-    if len(argv) < 2 or argv[0] != "serve":
-        return ServiceArgs(None, None, set(), f"command {list(argv)} is not `serve <service> ...`")
-    service = argv[1]
-    if service not in cli.SERVICES:
-        return ServiceArgs(service, None, set(), f"`deepinfer serve {service}`: not a service the CLI accepts "
-                                                  f"({', '.join(cli.SERVICES)})")
-    with contextlib.suppress(ImportError):  # imported outside the fake environment; cmd_serve reports failures
-        importlib.import_module(f"deepinfer.{service}.service")
-    recording = _RecordingEnv(env)
-    original = argparse.ArgumentParser.parse_args
-
-    def capture(self, args=None, namespace=None):
-        raise _Parsed(self, original(self, args, namespace))
-
-    err = io.StringIO()
-    try:
-        with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), \
-                mock.patch.object(os, "environ", recording), contextlib.redirect_stderr(err):
-            rc = cli.main(list(argv))
-    except _Parsed as p:
-        return ServiceArgs(service, p.namespace, recording.read, None)
-    except SystemExit as e:
-        said = err.getvalue().strip().splitlines() or [""]
-        return ServiceArgs(service, None, recording.read, f"`deepinfer {' '.join(argv)}` exits {e.code}: {said[-1]}")
-    return ServiceArgs(service, None, recording.read,
-                       f"`deepinfer {' '.join(argv)}` returned {rc} before parsing its arguments: "
-                       f"{err.getvalue().strip()[-400:]}")
-
-
-_parse_cached = lru_cache(maxsize=None)(_parse)
-
-
 def container_env(svc: dict, dockerfile: str) -> dict[str, str]:
     return {**dockerfile_env(dockerfile), **environment(svc)}
 
@@ -429,7 +350,7 @@ def service_args(svc: dict, dockerfile: str) -> tuple[list[str], ServiceArgs]:
     if not argv or argv[0] != "deepinfer":
         return argv, ServiceArgs(None, None, set(), f"runs {argv[:1]}, not the `deepinfer` command")
     env = tuple(sorted(container_env(svc, dockerfile).items()))
-    return argv, _parse_cached(tuple(argv[1:]), env)
+    return argv, parse_service(tuple(argv[1:]), env)
 
 
 def all_service_args(compose: dict, dockerfile: str) -> dict[str, ServiceArgs]:

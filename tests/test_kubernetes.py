@@ -39,7 +39,6 @@ What is checked, on both overlays:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import importlib
@@ -54,10 +53,11 @@ import urllib.error
 import urllib.request
 from functools import lru_cache
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import yaml
+
+from cli_args import ServiceArgs, parse_service
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -158,79 +158,11 @@ def container_env(objs: list[dict], c: dict) -> dict[str, str]:
 # ----------------------------------------------------------------- service parsing
 
 
-class _Parsed(Exception):
-    def __init__(self, namespace: argparse.Namespace):
-        super().__init__("parsed")
-        self.namespace = namespace
-
-
-class _RecordingEnv(dict):
-    """A stand-in for ``os.environ`` that remembers which variables were looked up."""
-
-    def __init__(self, data):
-        super().__init__(data)
-        self.read: set[str] = set()
-
-    def __getitem__(self, key):
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key):
-        self.read.add(key)
-        return super().__contains__(key)
-
-
-class ServiceArgs:
-    """What ``deepinfer <argv>`` parses in a container, or the problem that stops it."""
-
-    def __init__(self, service, namespace, env_read, error):
-        self.service, self.namespace, self.env_read, self.error = service, namespace, env_read, error
-
-    def get(self, dest: str, default=None):
-        return getattr(self.namespace, dest, default)
-
-
-@lru_cache(maxsize=None)
-def _parse(argv: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> ServiceArgs:
-    from deepinfer import cli
-
-    if len(argv) < 2 or argv[0] != "serve":
-        return ServiceArgs(None, None, set(), f"args {list(argv)} are not `serve <service> ...`")
-    service = argv[1]
-    if service not in cli.SERVICES:
-        return ServiceArgs(service, None, set(), f"`deepinfer serve {service}`: not a service of the CLI "
-                                                  f"({', '.join(cli.SERVICES)})")
-    with contextlib.suppress(ImportError):  # imported outside the fake environment
-        importlib.import_module(f"deepinfer.{cli.ALIASES.get(service, service)}.service")
-    recording = _RecordingEnv(env)
-    original = argparse.ArgumentParser.parse_args
-
-    def capture(self, args=None, namespace=None):
-        raise _Parsed(original(self, args, namespace))
-
-    err = io.StringIO()
-    try:
-        with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), \
-                mock.patch.object(os, "environ", recording), contextlib.redirect_stderr(err):
-            rc = cli.main(list(argv))
-    except _Parsed as p:
-        return ServiceArgs(service, p.namespace, recording.read, None)
-    except SystemExit as e:
-        said = err.getvalue().strip().splitlines() or [""]
-        return ServiceArgs(service, None, recording.read, f"`deepinfer {' '.join(argv)}` exits {e.code}: {said[-1]}")
-    return ServiceArgs(service, None, recording.read, f"`deepinfer {' '.join(argv)}` returned {rc} before "
-                                                      f"parsing its arguments: {err.getvalue().strip()[-400:]}")
-
-
 def service_args(objs: list[dict], c: dict) -> ServiceArgs:
     if c.get("command"):  # the image's entrypoint is `deepinfer` (compose/Dockerfile)
         return ServiceArgs(None, None, set(),
                            f"{c['name']}: command {c['command']} replaces the `deepinfer` entrypoint")
-    return _parse(tuple(c.get("args", [])), tuple(sorted(container_env(objs, c).items())))
+    return parse_service(tuple(c.get("args", [])), tuple(sorted(container_env(objs, c).items())))
 
 
 def parsed_containers(objs: list[dict]) -> list[tuple[dict, dict, ServiceArgs]]:
