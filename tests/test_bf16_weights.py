@@ -48,6 +48,14 @@ def test_no_cut_unless_one_row_is_clearly_faster():
     assert choice.max_rows == 0 and "fp32 kept" in choice.reason
 
 
+def test_for_a_bf16_model_the_kernel_needs_only_to_be_faster_than_the_bf16_gemm():
+    """No dtype changes there (the weights are bf16 already), so no margin against noise between workers."""
+    choice = choose_bf16_weight_rows(fake_pass({1: 0.9, 4: 0.95, 8: 1.1}), baseline="bf16 GEMM", first_max_ratio=1.0)
+    assert choice.max_rows == 4 and "bf16-weights kernel/bf16 GEMM pass time" in choice.reason
+    choice = choose_bf16_weight_rows(fake_pass({1: 1.02}), baseline="bf16 GEMM", first_max_ratio=1.0)
+    assert choice.max_rows == 0 and "bf16 GEMM kept" in choice.reason
+
+
 def test_an_explicit_bf16_weights_dtype_is_kept_and_refused_in_batch_invariant_mode(model_dir):
     from deepinfer.models.config import ModelConfig
 

@@ -7,6 +7,7 @@ import torch
 from deepinfer.engine import dtype_choice, llm_engine
 from deepinfer.engine.dtype_choice import PROBE_ROWS, Bf16WeightsChoice, choose_dtype, linear_shapes, time_linears
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.kernels import cpu_gemv
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.convert import ensure_default_model
@@ -95,7 +96,7 @@ def test_engine_resolves_auto_and_keys_its_kv_by_the_chosen_dtype(model_dir, mon
     """The engine builds what the choice says (weights, KV cache, fingerprint), for each branch."""
     fp = {}
     # (auto's third branch, bf16 weights when fp32 is kept, has its own tests: test_bf16_weights.py)
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(0, "fake"))
+    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time, **_: Bf16WeightsChoice(0, "fake"))
     for factor, want, torch_dtype in ((0.5, "bfloat16", torch.bfloat16), (2.0, "float32", torch.float32)):
         monkeypatch.setattr(dtype_choice, "time_linears", fake_probe(factor))
         monkeypatch.setattr(dtype_choice, "bf16_gemm_supported", lambda: True)
@@ -131,11 +132,53 @@ def test_bf16_prefill_export_is_bf16_and_decodes_the_same_as_one_engine(model_di
     assert first.new_token_ids + rest == whole
 
 
-def test_bf16_greedy_agrees_with_transformers_in_bf16(model_dir, capsys):
-    """Greedy decoding in bf16 on the same weights as ``transformers`` in bf16. bf16 rounding
-    differs between any two implementations (GEMM blocking, fused ops), so a near-tie can
-    flip a token and the texts part from there: the agreement is reported, and pinned loosely
-    (every first token equal, most tokens in common prefixes)."""
+needs_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason=f"no bf16-weights kernel: {cpu_gemv.unavailable_reason()}")
+
+
+@needs_kernel
+def test_a_bf16_linear_through_the_kernel_rounds_like_the_bf16_gemm():
+    """Steps of few rows of a bf16 model may run ``kernels.cpu_gemv`` on the bf16 weights in place
+    (fp32 sums, output rounded to bf16): the exact product rounded once, as oneDNN's bf16 GEMM
+    gives up to its own summation order."""
+    torch.manual_seed(0)
+    layer = Linear(96, 80, bias=True).to(torch.bfloat16)
+    assert layer.keep_bf16_weight() and layer.weight_bf16.data_ptr() == layer.weight.data_ptr()
+    for m in (1, 3, 8):
+        x = torch.randn(m, 96, dtype=torch.bfloat16)
+        layer.bf16w_max_rows = 0
+        gemm = layer(x)
+        layer.bf16w_max_rows = 8
+        ours = layer(x)
+        exact = (x.double() @ layer.weight.double().T + layer.bias.double()).float()
+        assert ours.dtype == torch.bfloat16 and ours.shape == (m, 80)
+        assert torch.allclose(ours.float(), exact, rtol=2 ** -8, atol=1e-3)  # within one bf16 rounding
+        assert torch.allclose(ours.float(), gemm.float(), rtol=2 ** -7, atol=2e-3)
+
+
+@needs_kernel
+def test_a_bf16_engine_reads_its_weights_through_the_kernel_where_the_probe_says_so(model_dir, monkeypatch):
+    """bf16: the kernel is timed against oneDNN's bf16 GEMM (taken when faster at all: only the
+    kernel changes, not the weights); chosen, every linear layer reads its own weight in place and
+    the dtype and KV cache stay bf16; not chosen, nothing is kept. Batch-invariant mode never asks."""
+    asked = []
+    for rows in (8, 0):
+        monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows",
+                            lambda _time, rows=rows, **kw: asked.append(kw) or Bf16WeightsChoice(rows, "fake"))
+        engine = LLMEngine(model_dir, EngineConfig(dtype="bfloat16", kv_cache_bytes=16 << 20))
+        assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+        linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+        if rows:
+            assert all(m.bf16w_max_rows == 8 and m.weight_bf16.data_ptr() == m.weight.data_ptr() for m in linears)
+        else:
+            assert all(m.weight_bf16 is None and m.bf16w_max_rows == 0 for m in linears)
+    assert asked == [{"baseline": "bf16 GEMM", "first_max_ratio": 1.0}] * 2
+    LLMEngine(model_dir, EngineConfig(dtype="bfloat16", kv_cache_bytes=16 << 20, batch_invariant=True))
+    assert len(asked) == 2
+
+
+@pytest.fixture(scope="module")
+def bf16_prompts_and_refs(model_dir):
+    """Five chat prompts and ``transformers``' greedy output for each in bf16 (to EOS or 32 tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -144,19 +187,35 @@ def test_bf16_greedy_agrees_with_transformers_in_bf16(model_dir, capsys):
              "Explain photosynthesis in one sentence.", "Summarise this: " + "The quick brown fox jumps. " * 12]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for t in texts]
-    n = 32
-    refs = []
     with torch.inference_mode():
-        for p in prompts:  # to EOS or n tokens, as the engine below
-            refs.append(hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist())
+        refs = [hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    return prompts, refs
+
+
+@pytest.mark.parametrize("kernel_rows", [0, pytest.param(16, marks=needs_kernel)], ids=["bf16-gemm", "cpu-gemv"])
+def test_bf16_greedy_agrees_with_transformers_in_bf16(model_dir, bf16_prompts_and_refs, kernel_rows, monkeypatch,
+                                                      capsys):
+    """Greedy decoding in bf16 on the same weights as ``transformers`` in bf16, decode steps on
+    oneDNN's bf16 GEMM or on ``kernels.cpu_gemv``. bf16 rounding differs between any two
+    implementations (GEMM blocking, fused ops), so a near-tie can flip a token and the texts part
+    from there: the agreement is reported, and pinned loosely (every first token equal, most
+    tokens in common prefixes)."""
+    prompts, refs = bf16_prompts_and_refs
+    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(kernel_rows, "forced"))
+    calls = []
+    kernel = cpu_gemv.linear_bf16w
+    monkeypatch.setattr(cpu_gemv, "linear_bf16w", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
     ours = engine_greedy(LLMEngine(model_dir, EngineConfig(dtype="bfloat16", kv_cache_bytes=64 << 20)),
-                         prompts, n, ignore_eos=False)
+                         prompts, 32, ignore_eos=False)
+    assert (len(calls) > 0) == (kernel_rows > 0)  # decode steps went through the kernel when chosen
     common = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), min(len(r), len(o)))
               for r, o in zip(refs, ours)]
     exact = sum(r == o for r, o in zip(refs, ours))
     agreement = sum(common) / sum(len(r) for r in refs)
     with capsys.disabled():
-        print(f"\nbf16 vs transformers bf16: {exact}/{len(prompts)} outputs equal, common prefix "
-              f"{sum(common)}/{sum(len(r) for r in refs)} tokens ({agreement:.0%}); per prompt {common}")
+        print(f"\nbf16 ({'cpu_gemv' if kernel_rows else 'bf16 GEMM'}) vs transformers bf16: {exact}/{len(prompts)} "
+              f"outputs equal, common prefix {sum(common)}/{sum(len(r) for r in refs)} tokens ({agreement:.0%}); "
+              f"per prompt {common}")
     assert all(r[0] == o[0] for r, o in zip(refs, ours))
     assert agreement >= 0.5

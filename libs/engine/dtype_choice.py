@@ -23,6 +23,12 @@ of fp32: decode there is bound by memory bandwidth). ``choose_bf16_weight_rows``
 times passes of 1, 2, 4... rows through every linear layer of the model (all of
 them, so the weights stream from memory as in a real step, not from cache) on
 both paths and takes it when the 1-row pass is clearly faster.
+
+Where "auto" (or the caller) chose bf16, the same kernel is timed against oneDNN's
+bf16 GEMM for decode-sized steps: on a CPU with AVX512-BF16 but no AMX oneDNN's
+1-row bf16 GEMM was slower than fp32's, while the kernel reads the same bf16
+weights at memory speed. Only the kernel changes there (the weights and the KV
+cache stay bf16), so it is taken wherever its 1-row pass is faster at all.
 """
 
 from __future__ import annotations
@@ -142,47 +148,45 @@ class Bf16WeightsChoice:
                 "probe_ms": {m: [round(a * 1e3, 2), round(b * 1e3, 2)] for m, (a, b) in self.seconds.items()}}
 
 
-def choose_bf16_weight_rows(time_pass: Callable[[int, bool], float],
-                            rows: tuple[int, ...] = BF16W_ROWS) -> Bf16WeightsChoice:
-    """The row cut for "bfloat16-weights": ``time_pass(m, bf16)`` (seconds of one pass of ``m``
-    rows through the model's linear layers, from bf16 copies or the fp32 weights) for each of
-    ``rows`` (ascending) until fp32 is faster. max_rows is 0 unless the 1-row pass from bf16 took
-    under ``BF16_MAX_RATIO`` of fp32's; else the largest timed count up to which bf16 was faster at
-    every count."""
+def choose_bf16_weight_rows(time_pass: Callable[[int, bool], float], rows: tuple[int, ...] = BF16W_ROWS,
+                            baseline: str = "fp32", first_max_ratio: float = BF16_MAX_RATIO) -> Bf16WeightsChoice:
+    """The row cut for ``kernels.cpu_gemv``: ``time_pass(m, bf16)`` (seconds of one pass of ``m``
+    rows through the model's linear layers, through the kernel from bf16 weights or on the
+    ``baseline`` path: the fp32 weights, or oneDNN's bf16 GEMM for a bf16 model) for each of
+    ``rows`` (ascending) until the baseline is faster. max_rows is 0 unless the 1-row pass through
+    the kernel took under ``first_max_ratio`` of the baseline's (``BF16_MAX_RATIO`` when the choice
+    changes the weights' values, "bfloat16-weights"; 1.0 for a bf16 model, where only the kernel
+    changes); else the largest timed count up to which the kernel was faster at every count."""
     seconds: dict[int, tuple[float, float]] = {}
     cut = 0
     for m in rows:
-        fp32, bf16 = time_pass(m, False), time_pass(m, True)
-        seconds[m] = (fp32, bf16)
-        if bf16 >= (fp32 * BF16_MAX_RATIO if m == rows[0] else fp32):
+        base, bf16 = time_pass(m, False), time_pass(m, True)
+        seconds[m] = (base, bf16)
+        if bf16 >= (base * first_max_ratio if m == rows[0] else base):
             break
         cut = m
     ratios = ", ".join(f"{m} rows {b / a:.2f}x" for m, (a, b) in seconds.items())
+    what = f"bf16-weights kernel/{baseline} pass time: {ratios}"
     if not cut:
-        return Bf16WeightsChoice(0, f"bf16-weights/fp32 pass time: {ratios}: fp32 kept", seconds)
-    return Bf16WeightsChoice(cut, f"bf16-weights/fp32 pass time: {ratios}: bf16 weights up to {cut} rows", seconds)
+        return Bf16WeightsChoice(0, f"{what}: {baseline} kept", seconds)
+    return Bf16WeightsChoice(cut, f"{what}: bf16 weights up to {cut} rows", seconds)
 
 
 @torch.inference_mode()
 def time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int = 2) -> float:
-    """Seconds (best of ``repeats`` after a warm-up) of one pass of ``m`` random rows through every
-    layer of ``layers`` in order, each as the engine runs it: through its bf16 copy
-    (``Linear.weight_bf16``, ``kernels.cpu_gemv``) when ``bf16``, else its fp32 path (packed or
+    """Seconds (best of ``repeats`` after a warm-up) of one pass of ``m`` random rows (the weights'
+    dtype) through every layer of ``layers`` in order, each as the engine runs it: through
+    ``kernels.cpu_gemv`` from ``Linear.weight_bf16`` when ``bf16``, else its own path (packed or
     plain). Timing all layers in turn streams the weights from memory, as a decode step does."""
-    from deepinfer.kernels.cpu_gemv import linear_bf16w
-
-    inputs = {n: torch.randn(m, n) for n in {layer.in_features for layer in layers}}
+    dtype = layers[0].weight.dtype
+    inputs = {n: torch.randn(m, n, dtype=dtype) for n in {layer.in_features for layer in layers}}
     saved = [layer.bf16w_max_rows for layer in layers]
     for layer in layers:
-        layer.bf16w_max_rows = 0  # the fp32 path, as before this choice
+        layer.bf16w_max_rows = m if bf16 else 0
 
     def one_pass():
         for layer in layers:
-            x = inputs[layer.in_features]
-            if bf16:
-                linear_bf16w(x, layer.weight_bf16, layer.bias)
-            else:
-                layer(x)
+            layer(inputs[layer.in_features])
 
     try:
         one_pass()

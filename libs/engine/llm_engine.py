@@ -225,8 +225,9 @@ class LLMEngine:
         if config.packed_weights and not config.batch_invariant:  # (batch-invariant mode stays packed)
             tune_packed_rows(linears)
         self.bf16_weights: Bf16WeightsChoice | None = None
-        if config.dtype == "bfloat16-weights" or (requested == "auto" and config.dtype == "float32"
-                                                  and not config.batch_invariant):
+        # (batch-invariant mode stays on the packed GEMM: the kernel's sums depend on the rows per call)
+        try_kernel = config.dtype == "bfloat16" or (requested == "auto" and config.dtype == "float32")
+        if config.dtype == "bfloat16-weights" or (try_kernel and not config.batch_invariant):
             self._choose_bf16_weights(linears)
         self.kernels = kernel_select.resolve(config.kernels, next(self.model.parameters()).device)
         kernel_select.use(self.model, self.kernels)
@@ -282,25 +283,28 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _choose_bf16_weights(self, linears: list[Linear]) -> None:
-        """Decode-sized steps from bf16 copies of the linear weights (``dtype_choice``,
-        ``kernels.cpu_gemv``), where the start-up probe times them faster: asked for
-        ("bfloat16-weights": the weights are rounded already), or tried under ``--dtype auto``
-        when it kept fp32 (then the weights are rounded once chosen, and the dtype becomes
-        "bfloat16-weights"). Logged as ``bf16 weights chosen``."""
-        asked = self.config.dtype == "bfloat16-weights"
+        """Decode-sized steps read the linear weights as bf16 through ``kernels.cpu_gemv``
+        (``dtype_choice``) where the start-up probe times them faster: asked for
+        ("bfloat16-weights": the weights are rounded already); tried under ``--dtype auto`` when it
+        kept fp32 (then the weights are rounded once chosen, and the dtype becomes
+        "bfloat16-weights"); for a bf16 model, against oneDNN's bf16 GEMM (the weights as they are).
+        Logged as ``bf16 weights chosen``."""
+        dtype = self.config.dtype
         if not all([layer.keep_bf16_weight() for layer in linears]):
             for layer in linears:
-                layer.weight_bf16 = None
+                layer.weight_bf16 = layer.bias_f32 = None
             log.info("bf16 weights chosen", bf16_weights_max_rows=0,
-                     reason=f"no bf16-weights kernel here: {cpu_gemv.unavailable_reason() or 'not a CPU fp32 model'}")
+                     reason=f"no bf16-weights kernel here: {cpu_gemv.unavailable_reason() or 'not a CPU model'}")
             return
-        self.bf16_weights = choice = choose_bf16_weight_rows(functools.partial(time_linear_pass, linears))
+        time_pass = functools.partial(time_linear_pass, linears)
+        self.bf16_weights = choice = (choose_bf16_weight_rows(time_pass, baseline="bf16 GEMM", first_max_ratio=1.0)
+                                      if dtype == "bfloat16" else choose_bf16_weight_rows(time_pass))
         log.info("bf16 weights chosen", **choice.log_fields())
         if not choice.max_rows:
             for layer in linears:
-                layer.weight_bf16 = None
+                layer.weight_bf16 = layer.bias_f32 = None
             return
-        if not asked:  # round the fp32 weights to the copies' values (in place: tied weights stay tied)
+        if dtype == "float32":  # auto: round the fp32 weights to the copies' values (in place: tied weights stay tied)
             for p in self.model.parameters():
                 if p.is_floating_point():
                     p.copy_(p.to(torch.bfloat16))
@@ -311,7 +315,7 @@ class LLMEngine:
         for layer in linears:
             layer.bf16w_max_rows = choice.max_rows
             if layer.packed_max_rows <= choice.max_rows:
-                layer.packed = None  # every step it would serve reads the bf16 copy: its memory back
+                layer.packed = None  # every step it would serve reads the bf16 weights: its memory back
 
     def _init_scheduling(self, eos_token_ids: list[int]) -> None:
         """The model-independent part: cost model, scheduler, counters, optional calibration

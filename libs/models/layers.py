@@ -47,20 +47,24 @@ class Linear(nn.Linear):
     packed_max_rows = PACKED_MAX_ROWS  # most rows run packed (per layer: ``tune_packed_rows``)
     batch_invariant = False
     packed: torch.Tensor | None = None
-    # bf16 copy of an fp32 weight whose values are bf16 already ("bfloat16-weights"): steps of at
-    # most ``bf16w_max_rows`` rows read it through ``kernels.cpu_gemv`` (half the bytes of fp32)
+    # the weight as bf16 (a copy of an fp32 weight whose values are bf16 already, "bfloat16-weights";
+    # a bf16 weight itself): steps of at most ``bf16w_max_rows`` rows read it through ``kernels.cpu_gemv``
     weight_bf16: torch.Tensor | None = None
+    bias_f32: torch.Tensor | None = None
     bf16w_max_rows = 0
 
     def keep_bf16_weight(self) -> bool:
-        """Keep a bf16 copy of the weight for decode-sized steps (``kernels.cpu_gemv``); False (and
-        nothing changes) where that kernel cannot run here or the weight is not fp32 on the CPU.
-        The weight's values must be bf16 values already (``loader`` "bfloat16-weights"), so the two
-        copies hold the same numbers."""
+        """Ready the weight for ``kernels.cpu_gemv`` (steps of at most ``bf16w_max_rows`` rows); False
+        (and nothing changes) where that kernel cannot run here or the weight is neither fp32 nor bf16
+        on the CPU. An fp32 weight gets a bf16 copy: its values must be bf16 values already (``loader``
+        "bfloat16-weights"), so the two copies hold the same numbers. A bf16 weight is read in place;
+        its activations are widened to fp32 for the kernel and the result rounded back to bf16, as
+        oneDNN's bf16 GEMM accumulates in fp32 and rounds its output."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_gemv.available():
+        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.available():
             return False
-        self.weight_bf16 = w.detach().to(torch.bfloat16).contiguous()
+        self.weight_bf16 = w.detach().to(torch.bfloat16).contiguous()  # (no copy when bf16 already)
+        self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
         return True
 
     def pack(self) -> bool:
@@ -92,7 +96,8 @@ class Linear(nn.Linear):
         if self.batch_invariant and m < self.INVARIANT_MIN_ROWS:
             return self.forward(F.pad(x, (0, 0, 0, self.INVARIANT_MIN_ROWS - m)))[:m]
         if m <= self.bf16w_max_rows and self.weight_bf16 is not None:
-            return cpu_gemv.linear_bf16w(x, self.weight_bf16, self.bias)
+            y = cpu_gemv.linear_bf16w(x.float(), self.weight_bf16, self.bias_f32)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         # NOTE: above packed_max_rows plain linear is faster but, for some shapes (M = 129-192
         # on the 1536->576 projection), gives other bits than packed: batch-invariant mode stays packed.
         if self.packed is None or (m > self.packed_max_rows and not self.batch_invariant):
