@@ -10,11 +10,15 @@ not from cache: at decode sizes that traffic, not the arithmetic, sets the time.
   ``torch.ops.mkl._mkl_linear`` (what torch's CPU inference paths use for fp32 linears),
 * ``fp32 linear``: ``F.linear`` on fp32 weights,
 * ``bf16 linear``: ``F.linear`` with bf16 weights and bf16 activations (fast only with AVX512-BF16 / AMX),
-* ``ours``: ``cpu_gemv.linear_bf16w`` (fp32 activations, bf16 weights, fp32 accumulation).
+* ``bf16 packed``: bf16, ``torch.ops.mkldnn._reorder_linear_weight`` once, then oneDNN's
+  ``_linear_pointwise`` (what a bf16 engine runs; only where oneDNN has a bf16 GEMM),
+* ``ours``: ``cpu_gemv.linear_bf16w`` (fp32 activations, bf16 weights, fp32 accumulation),
+* ``ours bf16``: the same from bf16 activations to a bf16 result (widened before, rounded after: what a
+  bf16 engine runs through the kernel).
 
 Printed per M: ms per pass (best of ``--repeat`` after a warm-up pass; wall clock, or with ``--cpu-time``
 this thread's CPU time, steadier on a machine shared with other work), the effective GB/s of ours, and
-ours / fastest fp32 (< 1: ours faster). Before timing, each M checks ours against ``x @ w.float().T`` on one
+ours / fastest fp32 and ours bf16 / bf16 packed (< 1: ours faster). Before timing, each M checks ours against ``x @ w.float().T`` on one
 layer (max |diff| printed), so a fast wrong kernel shows.
 
 Run: ``.venv/bin/python benchmarks/bench_cpu_gemv.py [--rows 1,2,4,8,16] [--repeat 5]``: about a minute and
@@ -70,12 +74,14 @@ def main() -> int:
     w32 = [torch.randn(n_out, n_in) * n_in ** -0.5 for n_in, n_out in shapes]  # one allocation per layer
     w16 = [w.bfloat16() for w in w32]
     packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 16) for w in w32]
+    bf16_gemm = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in w16] if bf16_gemm else []
     n_weights = sum(w.numel() for w in w32)
     print(f"SmolLM2-135M linears: {len(shapes)} weights, {n_weights / 1e6:.1f} M parameters, "
           f"{4 * n_weights / 1e6:.0f} MB fp32 / {2 * n_weights / 1e6:.0f} MB bf16 per pass; 1 thread; "
           f"best of {args.repeat}, {'thread CPU time' if args.cpu_time else 'wall clock'}")
-    print(f"{'M':>3} {'mkl packed':>11} {'fp32 linear':>12} {'bf16 linear':>12} {'ours':>8} {'ours GB/s':>10} "
-          f"{'ours/fp32':>10} {'max|diff|':>10}")
+    print(f"{'M':>3} {'mkl packed':>11} {'fp32 linear':>12} {'bf16 linear':>12} {'bf16 packed':>12} {'ours':>8} "
+          f"{'ours bf16':>10} {'ours GB/s':>10} {'ours/fp32':>10} {'bf16: ours/packed':>18} {'max|diff|':>10}")
 
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
@@ -95,17 +101,29 @@ def main() -> int:
             for w in w16:
                 F.linear(xs16[w.shape[1]], w)
 
+        def bf16_packed():
+            for p, w in zip(packed16, w16):
+                torch.ops.mkldnn._linear_pointwise(xs16[w.shape[1]], p, None, "none", [], "")
+
         def ours():
             f = cpu_gemv.linear_bf16w
             for w in w16:
                 f(xs[w.shape[1]], w)
 
+        def ours_bf16():
+            f = cpu_gemv.linear_bf16w
+            for w in w16:
+                f(xs16[w.shape[1]].float(), w).to(torch.bfloat16)
+
         t = {name: best_ms(fn, args.repeat, clock) for name, fn in
-             [("mkl", mkl_packed), ("fp32", fp32_linear), ("bf16", bf16_linear), ("ours", ours)]}
+             [("mkl", mkl_packed), ("fp32", fp32_linear), ("bf16", bf16_linear), ("ours", ours),
+              ("ours16", ours_bf16)] + ([("packed16", bf16_packed)] if bf16_gemm else [])}
         gbs = 2 * n_weights / (t["ours"] / 1e3) / 1e9
         ratio = t["ours"] / min(t["mkl"], t["fp32"])
-        print(f"{m:>3} {t['mkl']:>9.1f}ms {t['fp32']:>10.1f}ms {t['bf16']:>10.1f}ms {t['ours']:>6.1f}ms "
-              f"{gbs:>10.1f} {ratio:>10.2f} {diff:>10.1e}", flush=True)
+        p16 = f"{t['packed16']:>10.1f}ms" if bf16_gemm else f"{'-':>12}"
+        r16 = f"{t['ours16'] / t['packed16']:>18.2f}" if bf16_gemm else f"{'-':>18}"
+        print(f"{m:>3} {t['mkl']:>9.1f}ms {t['fp32']:>10.1f}ms {t['bf16']:>10.1f}ms {p16} {t['ours']:>6.1f}ms "
+              f"{t['ours16']:>8.1f}ms {gbs:>10.1f} {ratio:>10.2f} {r16} {diff:>10.1e}", flush=True)
     return 0
 
 

@@ -42,6 +42,11 @@ os.environ.setdefault("DEEPINFER_DTYPE", "float32")
 # ... on a 0.5 GB KV cache (the default 1 GB): room for the whole 8,192-token context in fp32, and the
 # memory of the meshes that run at once (two test workers: the groups below) stays well inside the host
 os.environ.setdefault("DEEPINFER_KV_CACHE_GB", "0.5")
+# Start-up timings (``deepinfer.probe_cache``) are shared by this run's processes (the test workers
+# and every mesh they start: a mesh then starts in ~10 s instead of ~20), in a directory of the
+# run's own: a test that fakes a timing never leaves it for a later run or for the user's meshes.
+os.environ.setdefault("DEEPINFER_PROBE_CACHE", os.path.join(
+    tempfile.gettempdir(), f"deepinfer-probes-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 
 _libc_name = ctypes.util.find_library("c")
 _libc = ctypes.CDLL(_libc_name) if _libc_name else None

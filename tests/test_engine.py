@@ -339,6 +339,7 @@ def test_packed_rows_are_tuned_per_shape_and_route_the_gemm(monkeypatch):
 
     monkeypatch.setattr(F, "linear", fake_linear)
     monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", "0")  # timed here, with the fake
     assert tune_packed_rows([a, b]) == {(96, 80): 24}
     assert a.packed_max_rows == b.packed_max_rows == 24
     measured = len(plain_rows)

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from deepinfer import probe_cache
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import Linear, bf16_gemm_supported
 
@@ -75,11 +76,18 @@ def linear_shapes(cfg: ModelConfig) -> list[Shape]:
     return [(h, q, n), (h, kv, 2 * n), (q, h, n), (h, i, 2 * n), (i, h, n), (h, cfg.vocab_size, 1)]
 
 
-@torch.inference_mode()
 def time_linears(shapes: list[Shape], dtype: torch.dtype, rows: tuple[int, ...] = PROBE_ROWS) -> dict[int, float]:
     """Seconds one pass of ``rows`` rows through every layer of ``shapes`` takes in ``dtype``
     (best of 3 per shape after a warm-up, times its count), per row count. Layers are packed
-    as the engine packs them (``Linear.pack``) and run with its default packed-rows cut."""
+    as the engine packs them (``Linear.pack``) and run with its default packed-rows cut.
+    Timed once per machine and settings (``probe_cache``)."""
+    seconds = probe_cache.measured("linears", [shapes, str(dtype), list(rows)],
+                                   lambda: list(_time_linears(shapes, dtype, rows).values()))
+    return dict(zip(rows, seconds))
+
+
+@torch.inference_mode()
+def _time_linears(shapes: list[Shape], dtype: torch.dtype, rows: tuple[int, ...]) -> dict[int, float]:
     total = {m: 0.0 for m in rows}
     for fan_in, fan_out, count in shapes:
         width = min(fan_out, MAX_PROBE_OUT)
@@ -172,12 +180,18 @@ def choose_bf16_weight_rows(time_pass: Callable[[int, bool], float], rows: tuple
     return Bf16WeightsChoice(cut, f"{what}: bf16 weights up to {cut} rows", seconds)
 
 
-@torch.inference_mode()
 def time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int = 2) -> float:
     """Seconds (best of ``repeats`` after a warm-up) of one pass of ``m`` random rows (the weights'
     dtype) through every layer of ``layers`` in order, each as the engine runs it: through
     ``kernels.cpu_gemv`` from ``Linear.weight_bf16`` when ``bf16``, else its own path (packed or
-    plain). Timing all layers in turn streams the weights from memory, as a decode step does."""
+    plain). Timing all layers in turn streams the weights from memory, as a decode step does.
+    Timed once per machine and settings (``probe_cache``)."""
+    key = [[[layer.in_features, layer.out_features] for layer in layers], str(layers[0].weight.dtype), m, bf16, repeats]
+    return probe_cache.measured("linear_pass", key, lambda: _time_linear_pass(layers, m, bf16, repeats))
+
+
+@torch.inference_mode()
+def _time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int) -> float:
     dtype = layers[0].weight.dtype
     inputs = {n: torch.randn(m, n, dtype=dtype) for n in {layer.in_features for layer in layers}}
     saved = [layer.bf16w_max_rows for layer in layers]

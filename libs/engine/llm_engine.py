@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import probe_cache
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.hybrid_blocks import SWA_MODES, HybridBlockManager, WindowBlockManager
 from deepinfer.engine.kv_layout import KVLayout
@@ -824,12 +825,29 @@ class LLMEngine:
         """
         shapes = [[(16, 0)], [(16, 0)], [(64, 0)], [(256, 0)], [(64, 1024)], [(128, 512)], [(256, 2048)],
                   [(1, 128)], [(1, 1024)] * 8, [(1, 256)] * 16, [(1, 512)] * 4]
-        for k, pieces in enumerate(shapes):
-            seconds = self._time_dummy_step(pieces)
-            if k > 0 and seconds is not None:
+        key = [*self._probe_key(), self.step_threads.single_max_tokens]
+        warmed = False
+
+        def measure(pieces: list[tuple[int, int]]) -> float | None:
+            nonlocal warmed
+            if not warmed:  # the first timed step of a process warms up, once
+                self._time_dummy_step(shapes[0])
+                warmed = True
+            return self._time_dummy_step(pieces)
+
+        for pieces in shapes[1:]:  # (each timed once per machine and settings: ``probe_cache``)
+            seconds = probe_cache.measured("calibrate", [*key, pieces], lambda: measure(pieces))
+            if seconds is not None:
                 self.cost_model.samples.append((features(pieces), seconds))
         if len(self.cost_model.samples) >= 3:
             self.cost_model.fit()
+
+    def _probe_key(self) -> list:
+        """What a dummy step's time depends on besides the machine (``probe_cache``)."""
+        cfg = self.config
+        bf16w_rows = max((m.bf16w_max_rows for m in self.model.modules() if isinstance(m, Linear)), default=0)
+        return [str(self.model_dir), cfg.dtype, cfg.block_size, cfg.batch_invariant, cfg.packed_weights,
+                str(self.kernels), bf16w_rows]
 
     def _time_dummy_step(self, pieces: list[tuple[int, int]], threads: int | None = None) -> float | None:
         """Seconds of one forward pass feeding ``pieces`` [(new tokens, context tokens)], one dummy
@@ -864,10 +882,13 @@ class LLMEngine:
         key = (str(self.model_dir), cfg.dtype, threads, os.environ.get("OMP_WAIT_POLICY"),
                os.environ.get("GOMP_SPINCOUNT"))
         if key not in _STEP_THREADS:
-            def time_step(n: int, t: int) -> float:
+            def measure(n: int, t: int) -> float:
                 pieces = [(1, 128)] * n
                 times = [self._time_dummy_step(pieces, t) for _ in range(4)][1:]  # the first warms up
                 return float("inf") if None in times else min(times)  # inf: the batch does not fit
+
+            def time_step(n: int, t: int) -> float:
+                return probe_cache.measured("step", [*self._probe_key(), n, t], lambda: measure(n, t))
             self.step_threads = StepThreads(threads)
             _STEP_THREADS[key] = choose_step_threads(time_step, threads)
             log.info("step threads chosen", **_STEP_THREADS[key].log_fields())

@@ -56,7 +56,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            # (an empty weight: the checkpoint's replaces it; nn.Embedding's own random init would
+            # import torch._dynamo, ~1.3 s of every engine's start-up)
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)),
             [self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers)],
             self.norm_class(cfg.hidden_size, cfg.rms_norm_eps),
         )

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer import probe_cache
 from deepinfer.kernels import cpu_gemv
 from deepinfer.kernels.attention import AttentionMetadata, paged_attention, store_kvcache
 
@@ -118,7 +119,8 @@ TUNE_ROWS = (8, 16, 24, 32, 48, 64, 96, 128)
 def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) -> dict[tuple[int, int], int]:
     """Set each packed layer's ``packed_max_rows`` to where packed GEMM stops being faster.
 
-    Per weight shape (measured once per process and torch thread count): the M of ``grid``
+    Per weight shape (measured once per process and torch thread count, and kept for the next
+    processes on this machine: ``probe_cache``): the M of ``grid``
     before the first at which ``F.linear`` beat the packed GEMM (best of 3 timed calls each on
     random rows [M, in_features] in the weight's dtype), or the last M of the grid if it never did; 0 when it
     already did at the first (then the packed copy is dropped: no step would use it). Returns
@@ -138,7 +140,9 @@ def tune_packed_rows(layers: list[Linear], grid: tuple[int, ...] = TUNE_ROWS) ->
             continue
         key = (layer.in_features, layer.out_features, layer.weight.dtype, threads)
         if key not in _PACKED_ROWS:
-            _PACKED_ROWS[key] = _measure_crossover(layer, grid)
+            _PACKED_ROWS[key] = probe_cache.measured(
+                "packed_rows", [layer.in_features, layer.out_features, str(layer.weight.dtype), list(grid)],
+                lambda: _measure_crossover(layer, grid))
         layer.packed_max_rows = out[key[:2]] = _PACKED_ROWS[key]
         if not layer.packed_max_rows:
             layer.packed = None  # never faster here: its memory back (a copy of the weight)

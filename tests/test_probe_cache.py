@@ -1,0 +1,102 @@
+"""``probe_cache``: start-up timings kept on disk per machine and settings, so the next process reads
+them; an engine built with the cache warm times nothing and makes the same choices."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from deepinfer import probe_cache
+from deepinfer.engine import llm_engine
+from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.models import layers
+from deepinfer.models.convert import ensure_default_model
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def counting(value):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return value
+
+    measure.calls = calls
+    return measure
+
+
+def test_a_timing_is_measured_once_then_read_from_the_file(cache):
+    first = counting([0.5, 1.25])
+    assert probe_cache.measured("linears", [[576, 192, 2], "torch.float32"], first) == [0.5, 1.25]
+    again = counting([9.0, 9.0])
+    assert probe_cache.measured("linears", [[576, 192, 2], "torch.float32"], again) == [0.5, 1.25]
+    assert len(first.calls) == 1 and again.calls == []
+    other_key = counting(2.0)
+    assert probe_cache.measured("linears", [[576, 192, 2], "torch.bfloat16"], other_key) == 2.0
+    assert probe_cache.measured("step", [[576, 192, 2], "torch.float32"], counting(3.0)) == 3.0  # other kind
+    (path,) = cache.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["machine"] == probe_cache.machine() and len(data["entries"]) == 3
+
+
+def test_other_settings_or_an_old_entry_are_timed_again(cache, monkeypatch):
+    probe_cache.measured("step", [1], counting(1.0))
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE" if os.environ.get("OMP_WAIT_POLICY") != "ACTIVE" else "PASSIVE")
+    assert probe_cache.measured("step", [1], counting(2.0)) == 2.0  # another wait policy: another file
+    assert len(list(cache.glob("*.json"))) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert probe_cache.measured("step", [1], counting(3.0)) == 3.0  # other thread count
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(probe_cache, "MAX_AGE_S", 0.0)
+    assert probe_cache.measured("step", [1], counting(4.0)) == 4.0  # too old: timed again
+
+
+def test_off_or_broken_the_cache_only_costs_the_timing(cache, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", "0")
+    measure = counting(1.0)
+    assert probe_cache.measured("step", [1], measure) == probe_cache.measured("step", [1], measure) == 1.0
+    assert len(measure.calls) == 2 and not list(cache.iterdir())
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", str(cache))
+    probe_cache.measured("step", [1], counting(1.0))
+    (path,) = cache.glob("*.json")
+    path.write_text("{not json")
+    assert probe_cache.measured("step", [1], counting(5.0)) == 5.0  # unreadable: timed, rewritten
+    assert probe_cache.measured("step", [1], counting(6.0)) == 5.0
+    blocked = cache / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", str(blocked / "sub"))  # cannot be created
+    assert probe_cache.measured("step", [1], counting(7.0)) == 7.0
+
+
+def test_an_engine_started_on_a_warm_cache_times_nothing_and_chooses_the_same(cache, monkeypatch):
+    model_dir = ensure_default_model(progress=False)
+    config = dict(kv_cache_bytes=32 << 20, calibrate=True, dtype="float32")
+    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # a new process: times everything, into the cache
+    monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+    first = LLMEngine(model_dir, EngineConfig(**config))
+    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # as in a new process
+    monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+    timed = []
+    monkeypatch.setattr(LLMEngine, "_time_dummy_step", lambda self, *a, **k: timed.append(a) or 1.0)
+    monkeypatch.setattr(layers, "_measure_crossover", lambda *a: timed.append(a) or 0)
+    second = LLMEngine(model_dir, EngineConfig(**config))
+    assert timed == []
+    assert second.step_threads.single_max_tokens == first.step_threads.single_max_tokens
+    assert second.step_threads.seconds == first.step_threads.seconds
+    packed = [(m.packed_max_rows, m.packed is None) for m in first.model.modules() if isinstance(m, layers.Linear)]
+    assert [(m.packed_max_rows, m.packed is None) for m in second.model.modules()
+            if isinstance(m, layers.Linear)] == packed
+    assert list(second.cost_model.samples) == list(first.cost_model.samples)
+    monkeypatch.setenv("DEEPINFER_PROBE_CACHE", "0")
+    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})
+    LLMEngine(model_dir, EngineConfig(**config))
+    assert timed  # off: timed again (here by the fakes)
