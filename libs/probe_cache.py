@@ -14,19 +14,23 @@ does not decide for ever.
 ``$DEEPINFER_PROBE_CACHE``: unset: ``$DEEPINFER_CACHE/probes`` (default ``~/.cache/deepinfer/probes``);
 a directory: that one; ``0``: off (every process times everything; tests that fake a probe use it).
 Only plain measurements are cached (numbers, never a choice): the choices are made again from them
-and logged each start-up, after one line saying that (and which file) the timings came from. Writes are atomic
-(a temp file renamed over the old one); processes that write at once may lose one entry, which the
-next start-up times again.
+and logged each start-up, after one line saying that (and which file) the timings came from. Processes
+take turns on a file (a lock held while timing), so workers that start together time each thing once,
+one at a time; writes are atomic (a temp file renamed over the old one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -40,6 +44,7 @@ MAX_AGE_S = 24 * 3600.0
 VERSION = 1  # bump when what a key means changes
 
 _logged: set[Path] = set()  # cache files this process said it read from
+_inside = threading.local()  # .measuring: this thread runs a ``measure`` under the lock
 
 
 def _directory() -> Path | None:
@@ -100,32 +105,61 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _valid(value: object) -> bool:
+    """A result worth keeping: None or a non-finite float says a timing could not run (a dummy
+    step that did not fit this engine's KV cache), which is no property of the machine."""
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
 def measured(kind: str, key: object, measure: Callable[[], T]) -> T:
     """``measure()``'s result for ``(kind, key)``: read from this machine's cache file when a
-    process timed it there within ``MAX_AGE_S``, else timed now and stored. ``key`` and the result
-    must survive JSON (numbers, strings, None, lists; tuples come back as lists). Never raises for
-    the cache itself: an unreadable or unwritable cache means timing every time."""
+    process timed it there within ``MAX_AGE_S``, else timed now and stored (unless None or not
+    finite: ``_valid``). ``key`` and the result must survive JSON (numbers, strings, None, lists;
+    tuples come back as lists). Processes that start together take turns (a lock file beside the
+    cache file, held while timing): the second reads what the first timed instead of timing on
+    the same cores at the same moment. Never raises for the cache itself: an unreadable or
+    unwritable cache means timing every time."""
     directory = _directory()
-    if directory is None:
+    if directory is None or getattr(_inside, "measuring", False):  # (a timing inside a timing: no lock twice)
         return measure()
     name = f"{kind}:{json.dumps(key, sort_keys=True, default=str)}"
     path = _path(directory)
-    entry = _read(path).get(name)
-    if isinstance(entry, dict) and time.time() - entry.get("at", 0) < MAX_AGE_S:
-        if path not in _logged:
-            _logged.add(path)
-            log.info("start-up timings read from the probe cache", path=str(path),
-                     how_to_time_again="DEEPINFER_PROBE_CACHE=0")
-        return entry["value"]
-    value = measure()
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as e:
+        log.warning("probe cache not usable", path=str(path), error=str(e))
+        return measure()
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, or the process dies)
         entries = _read(path)
-        entries[name] = {"value": value, "at": time.time()}
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        entry = entries.get(name)
+        if isinstance(entry, dict) and "value" in entry and time.time() - entry.get("at", 0) < MAX_AGE_S:
+            if path not in _logged:
+                _logged.add(path)
+                log.info("start-up timings read from the probe cache", path=str(path),
+                         how_to_time_again="DEEPINFER_PROBE_CACHE=0")
+            return entry["value"]
+        _inside.measuring = True
+        try:
+            value = measure()
+        finally:
+            _inside.measuring = False
+        if _valid(value):
+            _write(path, {**_read(path), name: {"value": value, "at": time.time()}})
+        return value
+
+
+def _write(path: Path, entries: dict) -> None:
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             json.dump({"machine": machine(), "entries": entries}, f)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError) as e:
         log.warning("probe cache not written", path=str(path), error=str(e))
-    return value
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from deepinfer.balancer.eplb import rebalance_experts
+from deepinfer.engine import llm_engine
+from deepinfer.engine.dtype_choice import Bf16WeightsChoice
 from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.kernels import cpu_gemv
+from deepinfer.models.layers import Linear
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import SamplingParams
@@ -108,6 +112,28 @@ def test_logits_are_identical_under_any_placement(model_dir):
         assert torch.equal(model.rank_counts(), expected_rank_counts(counts, placement))
         model.reset_expert_counts()
     assert model.expert_memory()[1] == 0  # back to one slot per expert
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason=f"no bf16-weights kernel: {cpu_gemv.unavailable_reason()}")
+def test_bf16_weight_copies_follow_the_experts_a_placement_moves(model_dir, monkeypatch):
+    """bfloat16-weights: small steps read bf16 copies of the weights (``Linear.weight_bf16``); a
+    placement that moves experts between slots (or adds slots) renews them, so every slot's copy
+    holds its new expert and the logits stay those of the unmoved model."""
+    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(512, "forced"))
+    engine = LLMEngine(model_dir, EngineConfig(block_size=8, kv_cache_bytes=4 << 20, dtype="bfloat16-weights",
+                                               enable_prefix_caching=False))
+    model = engine.model
+    ps = prompts(512, PROMPT_LENS)
+    reference = all_logits(engine, ps)
+    copies = [m for m in model.modules() if isinstance(m, Linear) and m.weight_bf16 is not None]
+    assert copies and all(m.bf16w_max_rows == 512 for m in copies)
+    for placement in (random_placement(16, 4, seed=5, version=2), ExpertPlacement.identity(LAYERS, E, 1)):
+        model.apply_expert_placement(placement)
+        for block in model.moe_blocks():
+            for m in block.modules():
+                if isinstance(m, Linear) and m.bf16w_max_rows:
+                    assert m.weight_bf16 is not None and torch.equal(m.weight_bf16.float(), m.weight)
+        assert torch.allclose(all_logits(engine, ps), reference, rtol=1e-4, atol=1e-4)
 
 
 def test_a_placement_applied_between_steps_keeps_requests_running_with_the_same_tokens(model_dir):

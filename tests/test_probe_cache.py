@@ -79,7 +79,7 @@ def test_off_or_broken_the_cache_only_costs_the_timing(cache, monkeypatch):
 
 def test_an_engine_started_on_a_warm_cache_times_nothing_and_chooses_the_same(cache, monkeypatch):
     model_dir = ensure_default_model(progress=False)
-    config = dict(kv_cache_bytes=32 << 20, calibrate=True, dtype="float32")
+    config = dict(kv_cache_bytes=512 << 20, calibrate=True, dtype="float32")  # (every probed step fits)
     monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # a new process: times everything, into the cache
     monkeypatch.setattr(layers, "_PACKED_ROWS", {})
     first = LLMEngine(model_dir, EngineConfig(**config))
@@ -100,3 +100,34 @@ def test_an_engine_started_on_a_warm_cache_times_nothing_and_chooses_the_same(ca
     monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})
     LLMEngine(model_dir, EngineConfig(**config))
     assert timed  # off: timed again (here by the fakes)
+
+
+def test_a_timing_that_could_not_run_is_not_kept(cache):
+    for key, failed in enumerate((None, float("inf"))):  # e.g. a dummy step that did not fit the KV cache
+        assert probe_cache.measured("step", [key], counting(failed)) == failed
+        again = counting(2.0)
+        assert probe_cache.measured("step", [key], again) == 2.0 and again.calls == [1]
+
+
+def test_processes_that_start_together_time_each_thing_once(cache):
+    """Two at once (threads here; the lock is a file lock, so processes alike): one times, the
+    other waits for it and reads its figure, instead of timing on the same cores meanwhile."""
+    import threading
+    import time
+
+    calls, results = [], []
+
+    def slow():
+        calls.append(threading.get_ident())
+        time.sleep(0.3)
+        return 0.25
+
+    threads = [threading.Thread(target=lambda: results.append(probe_cache.measured("step", ["shared"], slow)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [0.25, 0.25] and len(calls) == 1
+    nested = probe_cache.measured("step", ["outer"], lambda: probe_cache.measured("step", ["inner"], lambda: 1.5))
+    assert nested == 1.5  # a timing inside a timing does not wait on its own lock

@@ -33,6 +33,8 @@ cache stay bf16), so it is taken wherever its 1-row pass is faster at all.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -186,7 +188,9 @@ def time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int = 2)
     ``kernels.cpu_gemv`` from ``Linear.weight_bf16`` when ``bf16``, else its own path (packed or
     plain). Timing all layers in turn streams the weights from memory, as a decode step does.
     Timed once per machine and settings (``probe_cache``)."""
-    key = [[[layer.in_features, layer.out_features] for layer in layers], str(layers[0].weight.dtype), m, bf16, repeats]
+    paths = [[layer.in_features, layer.out_features, layer.packed is not None, layer.packed_max_rows] for layer in layers]
+    key = [hashlib.sha256(json.dumps(paths).encode()).hexdigest()[:24], len(layers), str(layers[0].weight.dtype), m,
+           bf16, repeats]
     return probe_cache.measured("linear_pass", key, lambda: _time_linear_pass(layers, m, bf16, repeats))
 
 

@@ -846,7 +846,7 @@ class LLMEngine:
         """What a dummy step's time depends on besides the machine (``probe_cache``)."""
         cfg = self.config
         bf16w_rows = max((m.bf16w_max_rows for m in self.model.modules() if isinstance(m, Linear)), default=0)
-        return [str(self.model_dir), cfg.dtype, cfg.block_size, cfg.batch_invariant, cfg.packed_weights,
+        return [self.fingerprint, cfg.dtype, cfg.block_size, cfg.batch_invariant, cfg.packed_weights,
                 str(self.kernels), bf16w_rows]
 
     def _time_dummy_step(self, pieces: list[tuple[int, int]], threads: int | None = None) -> float | None:

@@ -304,7 +304,8 @@ class SparseMoeBlock(MoEBlock):
             m.act = template.act
             for a, b in zip(m.modules(), template.modules()):
                 if isinstance(a, Linear):
-                    a.batch_invariant = b.batch_invariant
+                    a.batch_invariant, a.packed_max_rows = b.batch_invariant, b.packed_max_rows
+                    a.bf16w_max_rows = b.bf16w_max_rows
             slots.append(m)
         self.experts = nn.ModuleList(slots)
         self._stacked = None
@@ -313,13 +314,17 @@ class SparseMoeBlock(MoEBlock):
         return self.experts[0].gate_proj.packed is not None
 
     def slot_written(self, slot: int) -> None:
-        """Re-pack the slot's GEMM weights when the layer runs packed (``layers.Linear``);
-        drop the Triton path's stacked copy."""
+        """Re-pack the slot's GEMM weights when the layer runs packed (``layers.Linear``), renew
+        their bf16 copies when decode steps read those (``Linear.keep_bf16_weight``); drop the
+        Triton path's stacked copy."""
         self._stacked = None
-        if self._packed():
-            for m in self.experts[slot].modules():
-                if isinstance(m, Linear):
+        bf16w = self.experts[0].gate_proj.bf16w_max_rows > 0
+        for m in self.experts[slot].modules():
+            if isinstance(m, Linear):
+                if self._packed():
                     m.pack()
+                if bf16w:
+                    m.keep_bf16_weight()
 
     def slot_bytes(self) -> int:
         """Bytes of one slot: its weights, twice when packed (``Linear.pack`` keeps a copy; MKL's
