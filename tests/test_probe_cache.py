@@ -78,28 +78,35 @@ def test_off_or_broken_the_cache_only_costs_the_timing(cache, monkeypatch):
 
 
 def test_an_engine_started_on_a_warm_cache_times_nothing_and_chooses_the_same(cache, monkeypatch):
+    """The first engine's timings (faked here, to be quick and distinct) fill the cache; a second
+    one, as in a new process, reads every one of them (its own timers would give other figures)."""
     model_dir = ensure_default_model(progress=False)
-    config = dict(kv_cache_bytes=512 << 20, calibrate=True, dtype="float32")  # (every probed step fits)
-    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # a new process: times everything, into the cache
-    monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+    config = dict(kv_cache_bytes=64 << 20, calibrate=True, dtype="float32")
+
+    def fake_timers(seconds_per_token: float, rows: int):
+        timed = []
+        monkeypatch.setattr(LLMEngine, "_time_dummy_step", lambda self, pieces, threads=None: timed.append(pieces)
+                            or seconds_per_token * sum(n + c / 64 for n, c in pieces) * (1.5 if threads == 1 else 1))
+        monkeypatch.setattr(layers, "_measure_crossover", lambda layer, grid: timed.append(layer) or rows)
+        monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # as in a new process
+        monkeypatch.setattr(layers, "_PACKED_ROWS", {})
+        return timed
+
+    timed = fake_timers(1e-3, 64)
     first = LLMEngine(model_dir, EngineConfig(**config))
-    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # as in a new process
-    monkeypatch.setattr(layers, "_PACKED_ROWS", {})
-    timed = []
-    monkeypatch.setattr(LLMEngine, "_time_dummy_step", lambda self, *a, **k: timed.append(a) or 1.0)
-    monkeypatch.setattr(layers, "_measure_crossover", lambda *a: timed.append(a) or 0)
+    assert timed and first.cost_model.samples and {m.packed_max_rows for m in first.model.modules()
+                                         if isinstance(m, layers.Linear)} == {64}
+    timed = fake_timers(9.0, 8)
     second = LLMEngine(model_dir, EngineConfig(**config))
     assert timed == []
-    assert second.step_threads.single_max_tokens == first.step_threads.single_max_tokens
     assert second.step_threads.seconds == first.step_threads.seconds
-    packed = [(m.packed_max_rows, m.packed is None) for m in first.model.modules() if isinstance(m, layers.Linear)]
-    assert [(m.packed_max_rows, m.packed is None) for m in second.model.modules()
-            if isinstance(m, layers.Linear)] == packed
+    assert second.step_threads.single_max_tokens == first.step_threads.single_max_tokens
+    assert {m.packed_max_rows for m in second.model.modules() if isinstance(m, layers.Linear)} == {64}
     assert list(second.cost_model.samples) == list(first.cost_model.samples)
     monkeypatch.setenv("DEEPINFER_PROBE_CACHE", "0")
-    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})
+    timed = fake_timers(9.0, 8)
     LLMEngine(model_dir, EngineConfig(**config))
-    assert timed  # off: timed again (here by the fakes)
+    assert timed  # off: timed again
 
 
 def test_a_timing_that_could_not_run_is_not_kept(cache):
