@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import signal
 import sys
 import time
@@ -60,8 +62,16 @@ def cmd_serve(service: str, argv: list[str]) -> int:
     if main is None:
         print(f"deepinfer: {module_name} has no main(argv)", file=sys.stderr)
         return 2
-    rc = main(argv)
-    return int(rc or 0)
+    rc = int(main(argv) or 0)
+    if sys.argv[1:2] == ["serve"]:
+        # this process is the service (`deepinfer serve ...`), stopped and flushed (NATS drained,
+        # spans exported): exit without the interpreter's teardown of torch and the other modules,
+        # ~0.3-0.5 s of CPU per process on every stop of a mesh
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 # --------------------------------------------------------------------------- up

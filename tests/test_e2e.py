@@ -201,6 +201,18 @@ def test_models_and_health(mesh):
     assert health.json()["kv_index"]["redis_ok"] is True
 
 
+def test_the_gateway_kvindex_and_balancer_run_without_torch(mesh):
+    """Only the engines (and the tokenizer, through transformers) load torch: the other services
+    start in a fraction of the time and memory (a dense model's balancer imports its EPLB tracker
+    only when an MoE model reports; the kvindex reads block headers, not tensors)."""
+    from pathlib import Path
+
+    for service in ("gateway", "kvindex", "balancer"):
+        for proc in mesh.processes[service]:
+            assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text(), service
+    assert any("libtorch" in Path(f"/proc/{p.pid}/maps").read_text() for p in mesh.processes["decode"])
+
+
 # Killing the decode worker mid-stream: tests/test_failover.py's
 # test_only_decode_worker_killed_ends_the_stream_with_a_clear_error_event (mock workers: the gateway's
 # path is the same, and a real engine here cost a private mesh of ~50 s).

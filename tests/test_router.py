@@ -1,5 +1,5 @@
 """Routing and admission: scoring on synthetic load reports, the submit fallbacks, 429 shapes, and
-the acceptance runs on a mesh of mock workers."""
+overload through two gateways on a mesh of mock workers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from deepinfer.bench.metrics import percentile
 from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
 from deepinfer.gateway.dispatch import submit_prompt
 from deepinfer.gateway.registry import WorkerRegistry
@@ -757,50 +756,12 @@ async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_grou
     assert unchosen.calls == [subjects.DECODE_SUBMIT]
 
 
-# --- acceptance on a mock mesh: 4 mock prefill workers, one decode ----------------------------------
+# --- a mesh of mock workers: 4 prefill, one decode --------------------------------------------------
+# (TTFT by policy, the admitted requests' TTFT against the SLO and one gateway against two are
+# measured side by side by benchmarks/bench_router.py; the tests here check what happens, not how fast)
 MOCK_COST = "0.004,2e-4,1e-9,1e-7"  # a (s/step), b (s/token), d, e: ~5k prompt tokens/s per worker
 MOCK_ARGS = ["--engine", "mock", "--mock-cost", MOCK_COST, "--heartbeat-s", "0.5"]
 VOCAB_IDS = (1000, 30000)  # plain tokens of the SmolLM2 vocabulary
-
-
-def skewed_load(seed: int = 6, n: int = 64, seconds: float = 6.4, huge: int = 6) -> list[tuple[float, int]]:
-    """(arrival s, prompt tokens) of ``n`` requests over ``seconds``: ``huge`` prompts of 4-6k tokens
-    (about 1 s of prefill each), the rest 50-400 tokens; arrivals at uniform random times."""
-    import random
-
-    rng = random.Random(seed)
-    sizes = [rng.randint(4000, 6000) for _ in range(huge)] + [rng.randint(50, 400) for _ in range(n - huge)]
-    rng.shuffle(sizes)
-    times = sorted(rng.uniform(0, seconds) for _ in range(n))
-    return list(zip(times, sizes))
-
-
-async def replay(url: str, load: list[tuple[float, int]], salt: str, seed: int = 0, max_tokens: int = 2,
-                 timeout_s: float = 60.0) -> list:
-    """Send each request of ``load`` at its time (``bench.client.stream_completion``: streaming
-    /v1/completions with token ids, under ``cache_salt`` ``salt``, so one run's stored prefixes never
-    serve another's); a ``bench.metrics.RequestResult`` per request."""
-    import asyncio
-    import random
-    import time
-
-    import httpx
-
-    from deepinfer.bench.client import stream_completion
-
-    rng = random.Random(seed)
-    prompts = [[rng.randint(*VOCAB_IDS) for _ in range(n)] for _, n in load]
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        await client.get(url + "/health")
-        clock0 = time.perf_counter() + 0.2
-
-        async def one(i: int):
-            await asyncio.sleep(max(0.0, clock0 + load[i][0] - time.perf_counter()))
-            return await stream_completion(client, url + "/v1/completions", DEFAULT_MODEL_NAME, prompts[i],
-                                           max_tokens, clock0, {"cache_salt": salt})
-
-        return list(await asyncio.gather(*(one(i) for i in range(len(load)))))
 
 
 def wait_healthy(url: str, proc, timeout: float = 60) -> None:
@@ -820,19 +781,12 @@ def wait_healthy(url: str, proc, timeout: float = 60) -> None:
     raise AssertionError(f"{url} not healthy:\n{proc.log_tail()}")
 
 
-def wait_idle(mesh, seconds: float = 1.2) -> None:
-    """Let queues drain and the workers' reports catch up between runs."""
-    import time
-
-    time.sleep(seconds)
-
-
 @pytest.fixture(scope="module")
 def mock_mesh(tmp_path_factory):
     from deepinfer.launcher import Mesh
 
     # decode's KV holds the whole overload (64 prompts of up to 6k tokens), so admission refusals
-    # come from the prefill side this module measures, not from a full decode worker
+    # come from the prefill side, not from a full decode worker
     m = Mesh(workdir=tmp_path_factory.mktemp("router-mesh"), replicas={"prefill": 4, "decode": 1},
              extra_args={"prefill": MOCK_ARGS, "decode": [*MOCK_ARGS, "--kv-cache-gb", "24"]})
     m.start(timeout=300)
@@ -851,91 +805,36 @@ def start_gateway(mesh, *args: str) -> str:
 
 
 @pytest.mark.acceptance
-@pytest.mark.quiet
 @pytest.mark.timeout(300)
-def test_predicted_finish_beats_round_robin_and_least_loaded_on_p90_ttft(mock_mesh):
-    import asyncio
-
-    load = skewed_load()
-    figures = {}
-    for policy in ("round_robin", "least_loaded", "predicted"):
-        url = start_gateway(mock_mesh, "--prefill-router", policy)
-        wait_idle(mock_mesh)
-        res = asyncio.run(replay(url, load, salt=policy))
-        assert all(r.ok for r in res), [r for r in res if not r.ok][:3]
-        ttft = [r.ttft for r in res]
-        small = [r.ttft for r, (_, tokens) in zip(res, load) if tokens < 1000]
-        figures[policy] = {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
-                           "small_p90": percentile(small, 90)}
-    print("\nTTFT seconds by prefill policy (4 mock prefill workers, 64 requests, 6 of 4-6k tokens):")
-    for policy, f in figures.items():
-        print(f"  {policy:13s} " + "  ".join(f"{k} {v:.3f}" for k, v in f.items()))
-    assert figures["predicted"]["p90"] < figures["round_robin"]["p90"]
-    assert figures["predicted"]["p90"] < figures["least_loaded"]["p90"]
-
-
-@pytest.mark.acceptance
-@pytest.mark.quiet
-@pytest.mark.timeout(300)
-def test_overload_answers_429_with_retry_after_and_admitted_requests_meet_the_slo(mock_mesh):
-    import asyncio
+def test_two_gateways_overloaded_answer_429_with_retry_after_and_finish_every_admitted_request(mock_mesh):
+    """16 prompts/s of 4-6k tokens for 4 s (~1 s of prefill each: 4x what the 4 workers do),
+    alternate requests through two gateways with a TTFT SLO sharing the workers: each request is
+    admitted and completes, or gets a 429 in the OpenAI shape with a Retry-After; some of each."""
     import random
 
-    slo = 2.5
+    from deepinfer.bench.replay import replay
+    from deepinfer.bench.trace import TraceRequest
+
     rng = random.Random(11)
-    # 16 requests/s for 4 s of 4-6k-token prompts (~1 s of prefill each): 4x what 4 workers do
-    load = sorted((rng.uniform(0, 4.0), rng.randint(4000, 6000)) for _ in range(64))
-    url = start_gateway(mock_mesh, "--ttft-slo-s", str(slo))
-    wait_idle(mock_mesh)
-    res = asyncio.run(replay(url, load, salt="overload", max_tokens=4))
+    load = sorted((TraceRequest(rng.uniform(0, 4.0), rng.randint(4000, 6000), 4, ()) for _ in range(64)),
+                  key=lambda r: r.arrival_s)
+    gateways = [start_gateway(mock_mesh, "--ttft-slo-s", "2.5") for _ in range(2)]
+
+    async def both():
+        halves = [load[0::2], load[1::2]]
+        return await asyncio.gather(*(
+            replay(url, DEFAULT_MODEL_NAME, half, [[rng.randint(*VOCAB_IDS) for _ in range(r.input_length)]
+                                                   for r in half], timeout_s=120, body={"cache_salt": f"overload-{i}"})
+            for i, (url, half) in enumerate(zip(gateways, halves))))
+
+    res = [r for results, _ in asyncio.run(both()) for r in results]
     ok = [r for r in res if r.status == 200]
     limited = [r for r in res if r.status == 429]
-    ttft = [r.ttft for r in ok]
-    print(f"\noverload: {len(res)} requests in 4 s, SLO {slo} s: {len(ok)} admitted, {len(limited)} got 429; "
-          f"admitted TTFT p50 {percentile(ttft, 50):.3f} p90 {percentile(ttft, 90):.3f} "
-          f"p99 {percentile(ttft, 99):.3f} max {max(ttft):.3f} s; Retry-After "
-          f"{sorted({r.retry_after_s for r in limited})}")
+    print(f"\noverload through two gateways: {len(ok)} admitted, {len(limited)} got 429")
     assert len(ok) + len(limited) == len(res), [r for r in res if r.status not in (200, 429)][:3]
-    assert all(r.ok for r in ok)  # every admitted request completed
-    assert len(limited) >= len(res) // 3 and len(ok) >= 12
+    assert ok and limited
+    assert all(r.ok and r.output_tokens == 4 for r in ok), [r for r in ok if not r.ok][:3]
     for r in limited:
         assert r.retry_after_s >= 1
         body = json.loads(r.error)
         assert body["error"]["type"] == "rate_limit_exceeded" and body["error"]["code"] == "ttft_slo"
-    # the admission predicts queueing and prefill compute; the client's TTFT adds tokenizing, the NATS
-    # hops and SSE, which with 4 mock workers, the gateway and this client sharing 2 cores measured
-    # p99 2.3-2.7 s alone and 3.15 s in the full suite
-    assert percentile(ttft, 99) <= slo * 1.4
-
-
-@pytest.mark.acceptance
-@pytest.mark.quiet
-@pytest.mark.timeout(300)
-def test_two_gateways_sharing_the_workers_route_about_as_well_as_one(mock_mesh):
-    """Each gateway books prefill compute for what it sends and learns the other's only from the
-    workers' load reports (every 0.5 s here), so within one report period both may pick the same
-    worker. Measured: the same load through one gateway, and split over two (alternate requests),
-    side by side; the two must stay within a bound of one and every request must complete."""
-    import asyncio
-
-    load = skewed_load()
-    one = start_gateway(mock_mesh)
-    two = [start_gateway(mock_mesh), start_gateway(mock_mesh)]
-    wait_idle(mock_mesh)
-    single = asyncio.run(replay(one, load, salt="one-gateway"))
-    wait_idle(mock_mesh)
-    halves = [load[0::2], load[1::2]]
-
-    async def split():
-        return await asyncio.gather(*(replay(url, half, salt=f"two-gateways-{i}", seed=i + 1)
-                                      for i, (url, half) in enumerate(zip(two, halves))))
-
-    shared = [r for half in asyncio.run(split()) for r in half]
-    assert all(r.ok for r in single + shared), [r for r in single + shared if not r.ok][:3]
-    figures = {name: {q: percentile([r.ttft for r in res], q) for q in (50, 90, 99)}
-               for name, res in (("one gateway", single), ("two gateways", shared))}
-    print("\nTTFT seconds, 64 requests on 4 mock prefill workers:")
-    for name, f in figures.items():
-        print(f"  {name:13s} " + "  ".join(f"p{q} {v:.3f}" for q, v in f.items()))
-    one_p90, two_p90 = figures["one gateway"][90], figures["two gateways"][90]
-    assert two_p90 <= max(1.5 * one_p90, one_p90 + 0.5), figures

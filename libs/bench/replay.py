@@ -100,12 +100,13 @@ class LoadWatcher:
 
 async def replay(url: str, model: str, reqs: list[TraceRequest], prompts: list[list[int]],
                  traffic_class: str | None = None, timeout_s: float = 600,
-                 progress=None) -> tuple[list[RequestResult], float]:
+                 progress=None, body: dict | None = None) -> tuple[list[RequestResult], float]:
     """Send ``prompts[i]`` at ``reqs[i].arrival_s`` (seconds after the start) to ``url`` (the
-    gateway's base URL); wait for every reply. Returns the results (in trace order) and
-    the run's duration in seconds (first send -> last reply)."""
+    gateway's base URL), streaming /v1/completions with ``reqs[i].output_length`` tokens and the
+    fields of ``body`` (e.g. ``cache_salt``) added; wait for every reply. Returns the results (in
+    trace order) and the run's duration in seconds (first send -> last reply)."""
     endpoint = url.rstrip("/") + "/v1/completions"
-    extra = {"traffic_class": traffic_class} if traffic_class else None
+    extra = {**(body or {}), **({"traffic_class": traffic_class} if traffic_class else {})} or None
     # NOTE: idle connections expire well before a server's keep-alive timeout (uvicorn's default 5 s):
     # reusing one the server closes that instant fails the request
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)

@@ -34,17 +34,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from nats.js.errors import BucketNotFoundError
 
-from deepinfer.balancer.tracker import BalancerConfig, ExpertLoad
+from deepinfer.balancer.config import BalancerConfig
 from deepinfer.mesh import Service, run_service, stream_replicas
 from deepinfer.mesh.args import service_parser
-from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import (BalancerStatus, BalancerStatusRequest, ExpertPlacementUpdate, ExpertStats, pack,
                                 subjects, unpack)
 from deepinfer.telemetry import get_logger
+
+if TYPE_CHECKING:  # the tracker (torch) is imported when an MoE model first reports: a dense mesh's
+    # balancer starts and idles without torch
+    from deepinfer.balancer.tracker import ExpertLoad
+    from deepinfer.models.expert_placement import ExpertPlacement
 
 log = get_logger(__name__)
 
@@ -112,6 +116,9 @@ class BalancerService(Service):
 
     # --- helpers ----------------------------------------------------------------------
     async def new_model(self, stats: ExpertStats) -> ExpertLoad | None:
+        from deepinfer.balancer.tracker import ExpertLoad
+        from deepinfer.models.expert_placement import ExpertPlacement
+
         num_layers, num_experts = len(stats.counts), len(stats.counts[0]) if stats.counts else 0
         placement = await self.stored_placement(stats.model)
         if placement is None and stats.num_slots == num_experts:  # workers run the identity split
@@ -159,6 +166,8 @@ class BalancerService(Service):
             return None
 
     async def stored_placement(self, model: str) -> ExpertPlacement | None:
+        from deepinfer.models.expert_placement import ExpertPlacement
+
         if self.kv is None:
             return None
         try:

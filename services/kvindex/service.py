@@ -60,7 +60,6 @@ from deepinfer.kvindex.config import (
     parse_size,
 )
 from deepinfer.kvindex.index import RedisIndex, classify_event_id
-from deepinfer.kvstore import BlockStore
 from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME
 from deepinfer.kvstore.index_client import ensure_kv_events_stream
 from deepinfer.kvstore.redis_client import describe, redis_client
@@ -206,6 +205,8 @@ class KVIndexService(Service):
         """Read the files a worker reported gone or damaged once more, here, and delete those still
         damaged (a worker never deletes what it failed to verify: ``BlockStore``); a file that now
         reads well (rewritten meanwhile, or the worker's view was stale) is kept."""
+        from deepinfer.kvstore import BlockStore  # torch: only here (the index itself reads headers)
+
         store = BlockStore(self.config.kv_root, fingerprint, drop_corrupt=True)
         for h in hashes:
             if store.contains(h, traffic_class) and store.get(h, traffic_class) is None:
