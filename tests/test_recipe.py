@@ -83,6 +83,42 @@ def gemma():
     return ChatRecipe(_hf_tokenizer(path))
 
 
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_from_pretrained_loads_the_tokenizer_autotokenizer_would_without_importing_torch(which):
+    """The tokenizer service's load: the class ``tokenizer_config.json`` names, the same tokenizer
+    and template as ``AutoTokenizer`` gives, and no torch in the process."""
+    import subprocess
+    import sys
+
+    try:
+        path = ensure_default_model(progress=False) if which == "smol" else ensure_gemma3_270m(progress=False)
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    code = ("import sys; from deepinfer.recipe import ChatRecipe; r = ChatRecipe.from_pretrained(sys.argv[1]); "
+            "print(type(r.hf).__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    auto = _hf_tokenizer(path)
+    assert out.stdout.split() == [type(auto).__name__, "False"], out.stderr[-2000:]
+    recipe = ChatRecipe.from_pretrained(path)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <start_of_turn><|im_end|>"}]
+    assert (recipe.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert recipe.hf.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"tokenizer_class": "GemmaTokenizerFast"}, "GemmaTokenizer"),  # "Fast" dropped, as AutoTokenizer does
+    ({"tokenizer_class": "NoSuchTokenizer"}, "AutoTokenizer"),
+    ({"tokenizer_class": "GemmaTokenizer", "auto_map": {"AutoTokenizer": ["x.Tok", None]}}, "AutoTokenizer"),
+    ({}, "AutoTokenizer"),
+])
+def test_tokenizer_class_names_the_configured_class_else_autotokenizer(tmp_path, config, expected):
+    from deepinfer.recipe.chat import tokenizer_class
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert tokenizer_class(tmp_path).__name__ == expected
+
+
 RECIPES = ["smol", "smol_tools", "gemma"]
 
 
