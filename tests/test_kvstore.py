@@ -131,6 +131,29 @@ def test_damaged_block_is_a_miss_counted_left_in_place_and_replaced_by_the_next_
     assert BlockStore(tmp_path, "fp", drop_corrupt=True).get("cd34") is None and not path.exists()
 
 
+@pytest.mark.parametrize("how", ["flip", "truncate", "trailing", "header", None])
+def test_verify_block_checks_a_file_as_a_load_does_without_torch(tmp_path, how):
+    """``format.verify_block`` (the kvindex's re-check): a good block passes, a damaged one is
+    corrupt, another model's block is foreign (not corrupt); its dtype table is the store's."""
+    from deepinfer.kvstore.format import DTYPE_BYTES, BadBlock, verify_block
+    from deepinfer.kvstore.store import _DTYPES
+
+    assert DTYPE_BYTES == {name: d.itemsize for name, d in _DTYPES.items()}
+    store = BlockStore(tmp_path, "fp")
+    store.put("cd34", torch.randn(4, 8, dtype=torch.bfloat16))
+    path = store.path("cd34", "chat")
+    with pytest.raises(BadBlock) as foreign:
+        verify_block(path, "fp2", "cd34")
+    assert not foreign.value.corrupt
+    if how is None:
+        verify_block(path, "fp", "cd34")
+        return
+    _damage(path, how)
+    with pytest.raises(BadBlock) as damaged:
+        verify_block(path, "fp", "cd34")
+    assert damaged.value.corrupt
+
+
 def test_missing_wrong_shape_wrong_dtype_and_other_fingerprint_are_misses(tmp_path):
     store = BlockStore(tmp_path, "fp")
     assert store.read_into("nothere", "chat", torch.empty(2)) is False

@@ -89,17 +89,17 @@ async def run_on(mesh: Mesh, worker: str, ids: list[int], salt: str | None = Non
         await mc.close()
 
 
-async def wait_indexed(mesh: Mesh, num_blocks: int, timeout: float = 20) -> None:
-    """Until the kvindex holds at least ``num_blocks`` blocks (its events are asynchronous)."""
-    mc = await MeshClient.connect(mesh.nats_url, "test-kvtier-health")
+async def wait_indexed(mesh: Mesh, ids: list[int], timeout: float = 20) -> None:
+    """Until the kvindex holds every full block of prompt ``ids`` (its events are asynchronous)."""
+    mc = await MeshClient.connect(mesh.nats_url, "test-kvtier-lookup")
     try:
         index = KVIndexClient(mc, "test", fingerprint())
+        hashes = block_hashes(ids, BS, fingerprint())
         for _ in range(int(timeout * 10)):
-            health = await index.health()
-            if health is not None and health.num_blocks >= num_blocks:
+            if await index.lookup(hashes) == len(hashes):
                 return
             await asyncio.sleep(0.1)
-        raise AssertionError(f"kvindex never reached {num_blocks} blocks: {health}")
+        raise AssertionError(f"kvindex never held the {len(hashes)} blocks of the prompt")
     finally:
         await mc.close()
 
@@ -113,7 +113,7 @@ async def test_prefix_computed_on_one_worker_is_reused_by_another(tier, tok):
     a = prompt(tok, "shared")
     b = a[:-6] + tok.encode(" Another question: who keeps the log?").ids
     await run_on(tier, "prefill-0", a)
-    await wait_indexed(tier, len(a) // BS)
+    await wait_indexed(tier, a)
     warm, cached = await run_on(tier, "prefill-1", b)
     shared_blocks = len(a[:-6]) // BS
     assert cached == shared_blocks * BS and cached > 100  # loaded from the tier, not recomputed
@@ -126,7 +126,7 @@ async def test_corrupt_or_deleted_block_is_a_miss_and_the_answer_stays_correct(t
     for how, tag in (("corrupt", "corrupt"), ("delete", "deleted")):
         ids = prompt(tok, tag)
         await run_on(tier, "prefill-0", ids)
-        await wait_indexed(tier, 1)
+        await wait_indexed(tier, ids)
         path = block_file(tier, ids, 3)
         assert path.exists()
         if how == "corrupt":

@@ -84,26 +84,27 @@ def gemma():
 
 
 @pytest.mark.parametrize("which", ["smol", "gemma"])
-def test_from_pretrained_loads_the_tokenizer_autotokenizer_would_without_importing_torch(which):
-    """The tokenizer service's load: the class ``tokenizer_config.json`` names, the same tokenizer
-    and template as ``AutoTokenizer`` gives, and no torch in the process."""
+def test_from_pretrained_loads_the_tokenizer_autotokenizer_would_without_importing_torch(which, request):
+    """The tokenizer service's load, in a process of its own: the class ``tokenizer_config.json``
+    names, the same tokenizer and template as ``AutoTokenizer`` gives (the fixtures' tokenizers),
+    and no torch in the process."""
+    import hashlib
     import subprocess
     import sys
 
-    try:
-        path = ensure_default_model(progress=False) if which == "smol" else ensure_gemma3_270m(progress=False)
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    code = ("import sys; from deepinfer.recipe import ChatRecipe; r = ChatRecipe.from_pretrained(sys.argv[1]); "
-            "print(type(r.hf).__name__, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
-    auto = _hf_tokenizer(path)
-    assert out.stdout.split() == [type(auto).__name__, "False"], out.stderr[-2000:]
-    recipe = ChatRecipe.from_pretrained(path)
+    auto = request.getfixturevalue(which).hf  # skips where Gemma is not installed
+    path = auto.name_or_path
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <start_of_turn><|im_end|>"}]
-    assert (recipe.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            == auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
-    assert recipe.hf.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    code = ("import hashlib, json, sys; from deepinfer.recipe import ChatRecipe; "
+            "r = ChatRecipe.from_pretrained(sys.argv[1]); "
+            "print(json.dumps([type(r.hf).__name__, 'torch' in sys.modules, "
+            "r.hf.apply_chat_template(json.loads(sys.argv[2]), tokenize=False, add_generation_prompt=True), "
+            "hashlib.sha256(r.hf.backend_tokenizer.to_str().encode()).hexdigest()]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(msgs)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == [
+        type(auto).__name__, False, auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+        hashlib.sha256(auto.backend_tokenizer.to_str().encode()).hexdigest()]
 
 
 @pytest.mark.parametrize("config, expected", [

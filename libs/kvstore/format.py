@@ -22,11 +22,14 @@ did not say. Keys and class names are path components, so both must match
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+import xxhash
 
 MAGIC = b"DIKV"
 FORMAT_VERSION = 3  # 2: fingerprint, key and num_tokens in the header; 3: XXH3-64 instead of CRC-32
@@ -37,6 +40,8 @@ EPHEMERAL = "ephemeral"  # class of a request's partial last block (deleted afte
 EMBEDDINGS = "embeddings"  # class of images' embeddings (``kvstore.embeddings``; not KV: never indexed)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+# bytes per element of each block dtype (``store`` reads the same names as torch dtypes)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1}
 
 
 def check_name(name: str, what: str) -> str:
@@ -124,3 +129,35 @@ def read_header(f: BinaryIO) -> BlockHeader | None:
         return parse_header(f)
     except BadBlock:
         return None
+
+
+def check_length(h: BlockHeader, itemsize: int, file_size: int) -> None:
+    """Raises BadBlock (corrupt) unless the header's shape, ``nbytes`` and the file's size agree."""
+    numel = 1
+    for n in h.shape:
+        numel *= n
+    if h.nbytes != numel * itemsize or file_size != h.offset + h.nbytes:
+        raise BadBlock("length mismatch (truncated?)", corrupt=True)
+
+
+def check_checksum(h: BlockHeader, payload) -> None:
+    """Raises BadBlock (corrupt) unless ``payload`` (bytes-like) has the header's XXH3-64."""
+    if xxhash.xxh3_64_intdigest(payload) != h.xxh3:
+        raise BadBlock("checksum mismatch", corrupt=True)
+
+
+def verify_block(path: str | Path, fingerprint: str, key: str) -> None:
+    """Read a whole block file and check it as ``BlockStore`` does on a load (header, the model's
+    fingerprint and key, length, checksum), without torch. Raises BadBlock (``corrupt``: the file
+    is damaged, not merely another model's or format's) or OSError (missing, unreadable)."""
+    with open(path, "rb", buffering=0) as f:
+        h = parse_header(f)
+        if h.fingerprint != fingerprint or h.key != key:
+            raise BadBlock(f"block of {h.fingerprint}/{h.key}", corrupt=False)
+        if h.dtype not in DTYPE_BYTES:
+            raise BadBlock(f"unknown dtype {h.dtype}", corrupt=False)
+        check_length(h, DTYPE_BYTES[h.dtype], os.fstat(f.fileno()).st_size)
+        payload = f.read(h.nbytes)
+        if len(payload) != h.nbytes:
+            raise BadBlock("truncated payload", corrupt=True)
+        check_checksum(h, payload)

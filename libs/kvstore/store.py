@@ -35,6 +35,8 @@ from deepinfer.kvstore.format import (
     SUFFIX,
     BlockHeader,
     block_path,
+    check_checksum,
+    check_length,
     check_name,
     encode_header,
     parse_header,
@@ -273,11 +275,7 @@ class BlockStore:
             raise BadBlock(f"unknown dtype {h.dtype}", corrupt=False)
         if out is not None and (out.dtype != dtype or list(out.shape) != h.shape):
             raise BadBlock(f"block is {h.dtype}{h.shape}, wanted {out.dtype}{list(out.shape)}", corrupt=False)
-        numel = 1
-        for n in h.shape:
-            numel *= n
-        if h.nbytes != numel * dtype.itemsize or os.fstat(f.fileno()).st_size != h.offset + h.nbytes:
-            raise BadBlock("length mismatch (truncated?)", corrupt=True)
+        check_length(h, dtype.itemsize, os.fstat(f.fileno()).st_size)
         dst = out if out is not None else torch.empty(h.shape, dtype=dtype)
         view = _byte_view(dst)
         got = 0
@@ -286,8 +284,7 @@ class BlockStore:
             if not n:
                 raise BadBlock("truncated payload", corrupt=True)
             got += n
-        if xxhash.xxh3_64_intdigest(view) != h.xxh3:
-            raise BadBlock("checksum mismatch", corrupt=True)
+        check_checksum(h, view)
         return dst
 
     # --- other ---------------------------------------------------------------

@@ -39,6 +39,7 @@ move time without sleeping (the lease uses Redis' own expiry and the monotonic c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Callable
@@ -60,7 +61,7 @@ from deepinfer.kvindex.config import (
     parse_size,
 )
 from deepinfer.kvindex.index import RedisIndex, classify_event_id
-from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME
+from deepinfer.kvstore.format import EPHEMERAL, SAFE_NAME, BadBlock, block_path, verify_block
 from deepinfer.kvstore.index_client import ensure_kv_events_stream
 from deepinfer.kvstore.redis_client import describe, redis_client
 from deepinfer.mesh import Service, run_service
@@ -204,14 +205,20 @@ class KVIndexService(Service):
     def _drop_damaged(self, fingerprint: str, traffic_class: str, hashes: list[str]) -> None:
         """Read the files a worker reported gone or damaged once more, here, and delete those still
         damaged (a worker never deletes what it failed to verify: ``BlockStore``); a file that now
-        reads well (rewritten meanwhile, or the worker's view was stale) is kept."""
-        from deepinfer.kvstore import BlockStore  # torch: only here (the index itself reads headers)
-
-        store = BlockStore(self.config.kv_root, fingerprint, drop_corrupt=True)
+        reads well (rewritten meanwhile, or the worker's view was stale) is kept. Verified as a load
+        verifies (``format.verify_block``), without torch."""
         for h in hashes:
-            if store.contains(h, traffic_class) and store.get(h, traffic_class) is None:
+            path = block_path(self.config.kv_root, fingerprint, traffic_class, h)
+            try:
+                verify_block(path, fingerprint, h)
+            except BadBlock as e:
+                if e.corrupt:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 log.info("kv_block_damaged", fingerprint=fingerprint, traffic_class=traffic_class, block=h,
-                         deleted=not store.path(h, traffic_class).exists())
+                         why=str(e), deleted=not path.exists())
+            except OSError:  # gone already
+                pass
 
     async def replay(self, fingerprint: str | None = None) -> maintenance.ReplayResult:
         """Re-sync the index with the storage tier now (one fingerprint or all); marks the index ready."""
