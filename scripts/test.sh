@@ -5,10 +5,11 @@
 #   bash scripts/test.sh [-k name] [tests/test_x.py] ...   # only the main suite, with these arguments
 #   bash scripts/test.sh --vllm [pytest args]   # only the vLLM backend's tests
 # DEEPINFER_SKIP_VLLM=1 leaves the vLLM tests out of a full run (the second environment is ~4
-# minutes to build and ~900 MB). DEEPINFER_TEST_WORKERS=N (default 2) runs the main suite on N pytest
-# workers (pytest-xdist; 1: in one process): much of the suite waits on mesh processes, so two
-# workers share 2 cores well. Tests that start meshes run on one worker, tests that build engines
-# in-process on the other (tests/conftest.py), so the peak memory stays inside a 24 GB host.
+# minutes to build and ~900 MB). DEEPINFER_TEST_WORKERS=N (default 3) runs the main suite on N pytest
+# workers (pytest-xdist; 1: in one process): much of the suite waits on mesh processes, so three
+# workers keep 2 cores busy (2 cores: 662 s on 2 workers, 572 s on 3, 2026-12-07). Tests that start
+# meshes run in two lanes, tests that build engines in-process in a third (tests/conftest.py), so
+# the peak memory stays well inside a 24 GB host (~11 GB used at the peak on 3 workers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -50,7 +51,7 @@ bash "$ROOT/scripts/setup.sh"
 "$ROOT/.venv/bin/python" -c 'from deepinfer.models.convert import ensure_default_model, ensure_gemma3_270m
 ensure_default_model(progress=False); ensure_gemma3_270m(progress=False)'
 rc=0
-workers="${DEEPINFER_TEST_WORKERS:-2}"
+workers="${DEEPINFER_TEST_WORKERS:-3}"
 parallel=()
 [[ "$workers" -gt 1 ]] && parallel=(-n "$workers" --dist loadscope)
 suite "$ROOT/.venv/bin/python" "${parallel[@]}" --durations=25 "$@" || rc=$?

@@ -152,24 +152,34 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+# Modules that start meshes but do not use the session ``mesh``, run in the session mesh's lane to
+# balance the two lanes (by their measured time; a module not named here runs in the other lane)
+SESSION_MESH_LANE = {"test_failover.py", "test_reliability_mesh.py"}
+
+
 @functools.cache
 def _test_kind(path: str) -> str:
-    """Which worker a test module runs on under ``-n N`` (scripts/test.sh): "meshes" for a module
-    that starts meshes of engine processes (~2 GB each: the session ``mesh``, ``make_mesh``, or a
-    ``Mesh`` of its own that is not only mock workers), "engines" for one that builds engines
-    in-process (a few GB at its peak), else the module itself."""
+    """Which worker a test module runs on under ``-n N`` (scripts/test.sh): a module that starts
+    meshes of engine processes (~1 GB per engine process: the session ``mesh``, ``make_mesh``, or a
+    ``Mesh`` of its own that is not only mock workers) in one of two lanes, "meshes" (the session
+    ``mesh``'s users, which then start it once, and ``SESSION_MESH_LANE``) or "meshes-2"; "engines"
+    for one that builds engines in-process (a few GB at its peak); else the module itself."""
     text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
-    if (re.search(r"\b(make_mesh|openai_client)\b|def test_\w+\([^)]*\bmesh\b", text)
-            or (re.search(r"\bMesh\(", text) and "MOCK_ARGS" not in text)):
+    session_mesh = (re.search(r"\bopenai_client\b|def test_\w+\([^)]*\bmesh\b", text)
+                    and not re.search(r"^def mesh\(", text, re.M))
+    if session_mesh or Path(path).name in SESSION_MESH_LANE:
         return "meshes"
+    if re.search(r"\bmake_mesh\b|def test_\w+\([^)]*\bmesh\b", text) or (
+            re.search(r"\bMesh\(", text) and "MOCK_ARGS" not in text):
+        return "meshes-2"
     return "engines" if "LLMEngine" in text else path
 
 
 def pytest_xdist_make_scheduler(config, log):
     """``-n N --dist loadscope``: scopes by ``_test_kind``, so the tests that start meshes run one
-    after another on one worker and the in-process engine tests on another, side by side: never two
-    meshes-heavy tests at once (two ran a 24 GB host out of memory), and a module's module-scoped
-    mesh is built once. The other modules spread over the workers."""
+    after another in two lanes and the in-process engine tests in a third, side by side: never more
+    than two meshes at once (~3 GB each; peak use of a 24 GB host ~11 GB under ``-n 3``), and a
+    module's module-scoped mesh is built once. The other modules spread over the workers."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
