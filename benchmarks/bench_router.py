@@ -12,14 +12,14 @@ slept) and one mock decode worker. In one run:
    with ``--ttft-slo-s``: how many were admitted and how many got 429 + Retry-After, and the
    admitted requests' TTFT against the SLO.
 3. **Two gateways.** The skewed load through one gateway, then split over two (alternate
-   requests): each books the compute it sends and learns the other's only from the workers'
-   load reports (every 0.5 s), so within a report period both may pick the same worker. TTFT
-   p90 of two against one.
+   requests): each books the compute it sends and tells the other (``PrefillBooked``, counted
+   until the worker's next load report shows it), so the two double-book a worker only within a
+   message's trip. TTFT of two against one.
 
 Each run uses its own ``cache_salt``, so no run hits another's stored prefixes. Figures are
 wall-clock seconds of this machine; run it on a quiet machine.
 
-    python benchmarks/bench_router.py [--slo 2.5]
+    python benchmarks/bench_router.py [--slo 2.5] [--runs policies overload gateways]
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ def quantiles(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slo", type=float, default=2.5, help="TTFT SLO of the overload run, seconds")
+    p.add_argument("--runs", nargs="+", choices=("policies", "overload", "gateways"),
+                   default=["policies", "overload", "gateways"], help="which of the three runs (default all)")
     args = p.parse_args(argv)
     # decode's KV holds the whole overload (64 prompts of up to 6k tokens): refusals come from prefill
     mesh = Mesh(workdir=tempfile.mkdtemp(prefix="bench-router-"), replicas={"prefill": 4, "decode": 1},
@@ -108,45 +110,58 @@ def main(argv: list[str] | None = None) -> int:
     mesh.start(timeout=300)
     try:
         load = skewed_load()
-        print("1. TTFT seconds by prefill policy (4 mock prefill workers, 64 requests, 6 of 4-6k tokens)")
-        p90 = {}
-        for policy in POLICIES:
-            res = run(start_gateway(mesh, "--prefill-router", policy), load, salt=f"policy-{policy}")
-            failed = sum(not r.ok for r in res)
-            p90[policy] = percentile(ttft(res), 90)
-            print(f"   {policy:13s} {quantiles(ttft(res))}  small p90 {percentile(ttft(res, load, True), 90):6.3f}"
-                  + (f"  FAILED {failed}" if failed else ""))
-        print("   predicted / round_robin p90: %.2f   predicted / least_loaded p90: %.2f"
-              % (p90["predicted"] / p90["round_robin"], p90["predicted"] / p90["least_loaded"]))
-
-        res = run(start_gateway(mesh, "--ttft-slo-s", str(args.slo)), overload(), salt="overload")
-        ok = [r for r in res if r.status == 200]
-        limited = [r for r in res if r.status == 429]
-        print(f"\n2. overload: {len(res)} prompts of 4-6k tokens in 4 s, TTFT SLO {args.slo} s: {len(ok)} admitted "
-              f"({sum(r.ok for r in ok)} completed), {len(limited)} got 429 (Retry-After "
-              f"{sorted({r.retry_after_s for r in limited})}), {len(res) - len(ok) - len(limited)} other")
-        print(f"   admitted TTFT {quantiles(ttft(ok))}  max {max(ttft(ok), default=float('nan')):.3f}"
-              f"   p99 / SLO {percentile(ttft(ok), 99) / args.slo:.2f}")
-
-        one = start_gateway(mesh)
-        two = [start_gateway(mesh), start_gateway(mesh)]
-        single = run(one, load, salt="one-gateway")
-
-        async def split():
-            halves = [load[0::2], load[1::2]]
-            return await asyncio.gather(*(replay(url, DEFAULT_MODEL_NAME, half, prompts_for(half, i + 1),
-                                                 timeout_s=120, body={"cache_salt": f"two-gateways-{i}"})
-                                          for i, (url, half) in enumerate(zip(two, halves))))
-
-        shared = [r for results, _ in asyncio.run(split()) for r in results]
-        print("\n3. TTFT seconds, the same load through one gateway and split over two")
-        for name, res in (("one gateway", single), ("two gateways", shared)):
-            failed = sum(not r.ok for r in res)
-            print(f"   {name:13s} {quantiles(ttft(res))}" + (f"  FAILED {failed}" if failed else ""))
-        print("   two / one p90: %.2f" % (percentile(ttft(shared), 90) / percentile(ttft(single), 90)))
+        if "policies" in args.runs:
+            policies(mesh, load)
+        if "overload" in args.runs:
+            overloaded(mesh, args.slo)
+        if "gateways" in args.runs:
+            gateways(mesh, load)
     finally:
         mesh.stop()
     return 0
+
+
+def policies(mesh: Mesh, load: list[TraceRequest]) -> None:
+    print("1. TTFT seconds by prefill policy (4 mock prefill workers, 64 requests, 6 of 4-6k tokens)")
+    p90 = {}
+    for policy in POLICIES:
+        res = run(start_gateway(mesh, "--prefill-router", policy), load, salt=f"policy-{policy}")
+        failed = sum(not r.ok for r in res)
+        p90[policy] = percentile(ttft(res), 90)
+        print(f"   {policy:13s} {quantiles(ttft(res))}  small p90 {percentile(ttft(res, load, True), 90):6.3f}"
+              + (f"  FAILED {failed}" if failed else ""))
+    print("   predicted / round_robin p90: %.2f   predicted / least_loaded p90: %.2f"
+          % (p90["predicted"] / p90["round_robin"], p90["predicted"] / p90["least_loaded"]))
+
+
+def overloaded(mesh: Mesh, slo: float) -> None:
+    res = run(start_gateway(mesh, "--ttft-slo-s", str(slo)), overload(), salt="overload")
+    ok = [r for r in res if r.status == 200]
+    limited = [r for r in res if r.status == 429]
+    print(f"\n2. overload: {len(res)} prompts of 4-6k tokens in 4 s, TTFT SLO {slo} s: {len(ok)} admitted "
+          f"({sum(r.ok for r in ok)} completed), {len(limited)} got 429 (Retry-After "
+          f"{sorted({r.retry_after_s for r in limited})}), {len(res) - len(ok) - len(limited)} other")
+    print(f"   admitted TTFT {quantiles(ttft(ok))}  max {max(ttft(ok), default=float('nan')):.3f}"
+          f"   p99 / SLO {percentile(ttft(ok), 99) / slo:.2f}")
+
+
+def gateways(mesh: Mesh, load: list[TraceRequest]) -> None:
+    one = start_gateway(mesh)
+    two = [start_gateway(mesh), start_gateway(mesh)]
+    single = run(one, load, salt="one-gateway")
+
+    async def split():
+        halves = [load[0::2], load[1::2]]
+        return await asyncio.gather(*(replay(url, DEFAULT_MODEL_NAME, half, prompts_for(half, i + 1),
+                                             timeout_s=120, body={"cache_salt": f"two-gateways-{i}"})
+                                      for i, (url, half) in enumerate(zip(two, halves))))
+
+    shared = [r for results, _ in asyncio.run(split()) for r in results]
+    print("\n3. TTFT seconds, the same load through one gateway and split over two")
+    for name, res in (("one gateway", single), ("two gateways", shared)):
+        failed = sum(not r.ok for r in res)
+        print(f"   {name:13s} {quantiles(ttft(res))}" + (f"  FAILED {failed}" if failed else ""))
+    print("   two / one p90: %.2f" % (percentile(ttft(shared), 90) / percentile(ttft(single), 90)))
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def _test_kind(path: str) -> str:
     for one that builds engines in-process (a few GB at its peak); else the module itself."""
     text = (Path(__file__).parent.parent / path).read_text(encoding="utf-8")
     session_mesh = (re.search(r"\bopenai_client\b|def test_\w+\([^)]*\bmesh\b", text)
-                    and not re.search(r"^def mesh\(", text, re.M))
+                    and not re.search(r"^(async )?def mesh\(", text, re.M))
     if session_mesh or Path(path).name in SESSION_MESH_LANE:
         return "meshes"
     if re.search(r"\bmake_mesh\b|def test_\w+\([^)]*\bmesh\b", text) or (
@@ -177,9 +177,10 @@ def _test_kind(path: str) -> str:
 
 def pytest_xdist_make_scheduler(config, log):
     """``-n N --dist loadscope``: scopes by ``_test_kind``, so the tests that start meshes run one
-    after another in two lanes and the in-process engine tests in a third, side by side: never more
-    than two meshes at once (~3 GB each; peak use of a 24 GB host ~11 GB under ``-n 3``), and a
-    module's module-scoped mesh is built once. The other modules spread over the workers."""
+    after another in two lanes and the in-process engine tests in a third, side by side: at most
+    three meshes at once (the session mesh stays up beside a private one in its lane; ~1 GB per
+    engine process; ~11 GB of a 24 GB host in use at the peak under ``-n 3``), and a module's
+    module-scoped mesh is built once. The other modules spread over the workers."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling

@@ -154,6 +154,26 @@ def test_verify_block_checks_a_file_as_a_load_does_without_torch(tmp_path, how):
     assert damaged.value.corrupt
 
 
+def test_verify_block_reads_through_short_reads(tmp_path, monkeypatch):
+    """A network file system may return fewer bytes than asked: still a good block, not a truncated one."""
+    import io
+
+    from deepinfer.kvstore import format as fmt
+
+    store = BlockStore(tmp_path, "fp")
+    store.put("cd35", torch.randn(64, 64))
+
+    class Trickle(io.FileIO):  # at most 1,000 bytes a call, however it is read
+        def readinto(self, b):
+            return super().readinto(memoryview(b)[:1000])
+
+        def read(self, n=-1):
+            return super().read(1000 if n is None or n < 0 or n > 1000 else n)
+
+    monkeypatch.setattr(fmt, "open", lambda path, *a, **k: Trickle(path, "rb"), raising=False)
+    fmt.verify_block(store.path("cd35", "chat"), "fp", "cd35")
+
+
 def test_missing_wrong_shape_wrong_dtype_and_other_fingerprint_are_misses(tmp_path):
     store = BlockStore(tmp_path, "fp")
     assert store.read_into("nothere", "chat", torch.empty(2)) is False

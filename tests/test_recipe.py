@@ -83,43 +83,6 @@ def gemma():
     return ChatRecipe(_hf_tokenizer(path))
 
 
-@pytest.mark.parametrize("which", ["smol", "gemma"])
-def test_from_pretrained_loads_the_tokenizer_autotokenizer_would_without_importing_torch(which, request):
-    """The tokenizer service's load, in a process of its own: the class ``tokenizer_config.json``
-    names, the same tokenizer and template as ``AutoTokenizer`` gives (the fixtures' tokenizers),
-    and no torch in the process."""
-    import hashlib
-    import subprocess
-    import sys
-
-    auto = request.getfixturevalue(which).hf  # skips where Gemma is not installed
-    path = auto.name_or_path
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <start_of_turn><|im_end|>"}]
-    code = ("import hashlib, json, sys; from deepinfer.recipe import ChatRecipe; "
-            "r = ChatRecipe.from_pretrained(sys.argv[1]); "
-            "print(json.dumps([type(r.hf).__name__, 'torch' in sys.modules, "
-            "r.hf.apply_chat_template(json.loads(sys.argv[2]), tokenize=False, add_generation_prompt=True), "
-            "hashlib.sha256(r.hf.backend_tokenizer.to_str().encode()).hexdigest()]))")
-    out = subprocess.run([sys.executable, "-c", code, str(path), json.dumps(msgs)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout) == [
-        type(auto).__name__, False, auto.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
-        hashlib.sha256(auto.backend_tokenizer.to_str().encode()).hexdigest()]
-
-
-@pytest.mark.parametrize("config, expected", [
-    ({"tokenizer_class": "GemmaTokenizerFast"}, "GemmaTokenizer"),  # "Fast" dropped, as AutoTokenizer does
-    ({"tokenizer_class": "NoSuchTokenizer"}, "AutoTokenizer"),
-    ({"tokenizer_class": "GemmaTokenizer", "auto_map": {"AutoTokenizer": ["x.Tok", None]}}, "AutoTokenizer"),
-    ({}, "AutoTokenizer"),
-])
-def test_tokenizer_class_names_the_configured_class_else_autotokenizer(tmp_path, config, expected):
-    from deepinfer.recipe.chat import tokenizer_class
-
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    assert tokenizer_class(tmp_path).__name__ == expected
-
-
 RECIPES = ["smol", "smol_tools", "gemma"]
 
 

@@ -809,30 +809,47 @@ def start_gateway(mesh, *args: str) -> str:
 def test_two_gateways_overloaded_answer_429_with_retry_after_and_finish_every_admitted_request(mock_mesh):
     """16 prompts/s of 4-6k tokens for 4 s (~1 s of prefill each: 4x what the 4 workers do),
     alternate requests through two gateways with a TTFT SLO sharing the workers: each request is
-    admitted and completes, or gets a 429 in the OpenAI shape with a Retry-After; some of each."""
+    admitted and completes, or gets a 429 in the OpenAI shape with a Retry-After; some of each. Each
+    gateway tells the other every prefill booking it makes (``PrefillBooked``)."""
     import random
 
     from deepinfer.bench.replay import replay
     from deepinfer.bench.trace import TraceRequest
+    from deepinfer.mesh import MeshClient
+    from deepinfer.protocol import PrefillBooked, unpack
 
     rng = random.Random(11)
     load = sorted((TraceRequest(rng.uniform(0, 4.0), rng.randint(4000, 6000), 4, ()) for _ in range(64)),
                   key=lambda r: r.arrival_s)
     gateways = [start_gateway(mock_mesh, "--ttft-slo-s", "2.5") for _ in range(2)]
+    booked: list[PrefillBooked] = []
 
     async def both():
-        halves = [load[0::2], load[1::2]]
-        return await asyncio.gather(*(
-            replay(url, DEFAULT_MODEL_NAME, half, [[rng.randint(*VOCAB_IDS) for _ in range(r.input_length)]
-                                                   for r in half], timeout_s=120, body={"cache_salt": f"overload-{i}"})
-            for i, (url, half) in enumerate(zip(gateways, halves))))
+        mc = await MeshClient.connect(mock_mesh.nats_url, "test-bookings")
+
+        async def on_booked(msg):
+            booked.append(unpack(msg.data, PrefillBooked))
+
+        await mc.nc.subscribe(subjects.ROUTER_BOOKED, cb=on_booked)
+        try:
+            halves = [load[0::2], load[1::2]]
+            return await asyncio.gather(*(
+                replay(url, DEFAULT_MODEL_NAME, half, [[rng.randint(*VOCAB_IDS) for _ in range(r.input_length)]
+                                                       for r in half], timeout_s=120,
+                       body={"cache_salt": f"overload-{i}"})
+                for i, (url, half) in enumerate(zip(gateways, halves))))
+        finally:
+            await mc.close()
 
     res = [r for results, _ in asyncio.run(both()) for r in results]
     ok = [r for r in res if r.status == 200]
     limited = [r for r in res if r.status == 429]
-    print(f"\noverload through two gateways: {len(ok)} admitted, {len(limited)} got 429")
+    print(f"\noverload through two gateways: {len(ok)} admitted, {len(limited)} got 429, "
+          f"{len(booked)} bookings shared")
     assert len(ok) + len(limited) == len(res), [r for r in res if r.status not in (200, 429)][:3]
     assert ok and limited
+    # every admitted request's prefill booking was announced, by both gateways
+    assert len({b.request_id for b in booked}) >= len(ok) and len({b.gateway_id for b in booked}) == 2
     assert all(r.ok and r.output_tokens == 4 for r in ok), [r for r in ok if not r.ok][:3]
     for r in limited:
         assert r.retry_after_s >= 1

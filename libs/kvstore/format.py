@@ -157,7 +157,11 @@ def verify_block(path: str | Path, fingerprint: str, key: str) -> None:
         if h.dtype not in DTYPE_BYTES:
             raise BadBlock(f"unknown dtype {h.dtype}", corrupt=False)
         check_length(h, DTYPE_BYTES[h.dtype], os.fstat(f.fileno()).st_size)
-        payload = f.read(h.nbytes)
-        if len(payload) != h.nbytes:
-            raise BadBlock("truncated payload", corrupt=True)
+        payload = bytearray(h.nbytes)
+        view, got = memoryview(payload), 0
+        while got < h.nbytes:  # a network file system may return short reads
+            n = f.readinto(view[got:])
+            if not n:
+                raise BadBlock("truncated payload", corrupt=True)
+            got += n
         check_checksum(h, payload)

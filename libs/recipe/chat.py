@@ -62,30 +62,6 @@ class Segment:
     control_id: int | None = None
 
 
-def tokenizer_class(model_dir: str | Path) -> type:
-    """The ``transformers`` class that loads the directory's tokenizer: the one its
-    ``tokenizer_config.json`` names (with or without ``Fast``, as ``AutoTokenizer`` resolves it),
-    else ``AutoTokenizer``, which also takes remote code (``auto_map``) and directories that name
-    none. Naming the class skips ``AutoTokenizer``'s model-config lookup, which imports torch:
-    ~2 s of CPU and ~300 MB in the tokenizer service, which otherwise never needs it."""
-    import json
-
-    import transformers
-
-    try:
-        cfg = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        cfg = {}
-    name = cfg.get("tokenizer_class")
-    if isinstance(name, str) and name and "auto_map" not in cfg:
-        name = name.removesuffix("Fast")
-        for candidate in (name, name + "Fast"):
-            found = getattr(transformers, candidate, None)
-            if isinstance(found, type) and hasattr(found, "from_pretrained") and candidate != "PythonBackend":
-                return found
-    return transformers.AutoTokenizer
-
-
 def image_config(model_dir: str | Path) -> tuple[int, int] | None:
     """(image token id, tokens per image) of a LLaVA-style model directory (config.json with a
     ``vision_config``), as ``models.llava`` computes them; None for a text-only model."""
@@ -134,13 +110,15 @@ class ChatRecipe:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs) -> "ChatRecipe":
-        """Load the tokenizer (offline) of an HF model directory (``tokenizer_class``)."""
+        """Load the tokenizer (offline) of an HF model directory."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
         image = image_config(model_dir)
         if image:
             kwargs.setdefault("image_token_id", image[0])
             kwargs.setdefault("tokens_per_image", image[1])
-        return cls(tokenizer_class(model_dir).from_pretrained(str(model_dir)), **kwargs)
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)), **kwargs)
 
     def encode_chat_images(self, messages, tools=None, add_generation_prompt: bool = True, *,
                            parallel: bool = True, nonce: str | None = None

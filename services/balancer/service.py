@@ -23,7 +23,7 @@ Lifecycle of what this service handles (docs/architecture.md, "Expert load balan
 Run one balancer per mesh (the stats subscription is not a queue group). With no
 MoE worker it receives nothing and stays idle, so ``deepinfer up`` starts it.
 
-Topology and triggers (``tracker.BalancerConfig``, defaults): ``--redundant-experts``
+Topology and triggers (``config.BalancerConfig``, defaults): ``--redundant-experts``
 0, ``--groups`` 1, ``--nodes`` 1, ``--ranks`` 1, ``--window-s`` 5, ``--ema-alpha``
 0.3, ``--period-s`` 60, ``--threshold`` 1.1, ``--min-interval-s`` 10,
 ``--min-gain`` 0.01, ``--min-tokens`` 1000.

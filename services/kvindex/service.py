@@ -217,8 +217,11 @@ class KVIndexService(Service):
                         path.unlink()
                 log.info("kv_block_damaged", fingerprint=fingerprint, traffic_class=traffic_class, block=h,
                          why=str(e), deleted=not path.exists())
-            except OSError:  # gone already
+            except FileNotFoundError:  # gone already
                 pass
+            except OSError as e:  # unreadable here: kept (the next load reports it again)
+                log.info("kv_block_damaged", fingerprint=fingerprint, traffic_class=traffic_class, block=h,
+                         why=str(e), deleted=False)
 
     async def replay(self, fingerprint: str | None = None) -> maintenance.ReplayResult:
         """Re-sync the index with the storage tier now (one fingerprint or all); marks the index ready."""
