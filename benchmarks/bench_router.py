@@ -30,12 +30,11 @@ import random
 import tempfile
 import time
 
-import httpx
 
 from deepinfer.bench.metrics import percentile
 from deepinfer.bench.replay import replay
 from deepinfer.bench.trace import TraceRequest
-from deepinfer.launcher import Mesh, free_port
+from deepinfer.launcher import Mesh
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 
 MOCK_COST = "0.004,2e-4,1e-9,1e-7"  # a (s/step), b (s/token), d, e: ~5k prompt tokens/s per worker
@@ -65,22 +64,11 @@ def prompts_for(load: list[TraceRequest], seed: int) -> list[list[int]]:
     return [[rng.randint(*VOCAB_IDS) for _ in range(r.input_length)] for r in load]
 
 
-def start_gateway(mesh: Mesh, *args: str, timeout: float = 60) -> str:
-    port = free_port()
-    proc = mesh.start_worker("gateway", ["--port", str(port), *args])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive:
-            raise RuntimeError(proc.log_tail())
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                time.sleep(1.2)  # the workers' load reports reach the new gateway
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} not healthy:\n{proc.log_tail()}")
+def start_gateway(mesh: Mesh, *args: str) -> str:
+    """One more gateway with ``args``, healthy, once the workers' load reports reached it."""
+    _, url = mesh.start_gateway(args)
+    time.sleep(1.2)
+    return url
 
 
 def run(url: str, load: list[TraceRequest], salt: str, seed: int = 0) -> list:

@@ -604,6 +604,16 @@ class Mesh:
         self.processes.setdefault(service, []).append(proc)
         return proc
 
+    def start_gateway(self, extra: Sequence[str] = (), timeout: float = 90) -> tuple[ManagedProcess, str]:
+        """One more gateway (worker id ``gateway-<i>``) on a free port, beside the mesh's own and
+        sharing its workers, with ``extra`` arguments; returns it and its base URL once its /health
+        answers 200. Raises LauncherError (with its log) if it exits or is not healthy in ``timeout`` s."""
+        port = self._free_metrics_port()
+        proc = self.start_worker("gateway", ["--port", str(port), *extra])  # (the last --port counts)
+        url = f"http://127.0.0.1:{port}"
+        self._wait_healthy(timeout, [url], [proc])
+        return proc, url
+
     def _free_metrics_port(self) -> int:
         """A free port no process of this mesh was given yet (the kernel may hand one out twice)."""
         taken = {*self.metrics_ports.values(), *self.gateway_ports}
@@ -624,23 +634,25 @@ class Mesh:
             f"--- {p.name} (exit code {p.returncode}, log {p.log_path}) ---\n{p.log_tail(n)}" for p in procs
         )
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_healthy(self, timeout: float, urls: Sequence[str] | None = None,
+                      watch: Sequence[ManagedProcess] | None = None) -> None:
+        """Until each of ``urls`` (default: every gateway's) answers /health with 200; raises
+        LauncherError when a process of ``watch`` (default: every service, NATS and Redis) exits
+        first, or at ``timeout`` s."""
         import httpx
 
         deadline = time.monotonic() + timeout
         last = "no answer"
-        pending = [f"{u}/health" for u in self.gateway_urls]
+        pending = [f"{u}/health" for u in (self.gateway_urls if urls is None else urls)]
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 url = pending[0]
-                dead = self.dead_services()
+                procs = [*self.all_services(), self.nats, self.redis] if watch is None else watch
+                dead = [p for p in procs if p is not None and not p.alive]
                 if dead:
                     raise LauncherError(
                         f"{', '.join(p.name for p in dead)} exited during start-up:\n" + self._describe(dead)
                     )
-                for infra in (self.nats, self.redis):
-                    if infra is not None and not infra.alive:
-                        raise LauncherError(f"{infra.name} exited during start-up:\n" + self._describe([infra]))
                 try:
                     r = client.get(url)
                     if r.status_code == 200:

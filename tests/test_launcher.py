@@ -169,6 +169,7 @@ STAND_IN = textwrap.dedent(
     if svc != "gateway":
         while True:
             time.sleep(1)
+    time.sleep(0.3)  # a real gateway is healthy only once workers registered: not before a broken one exits
 
     class H(BaseHTTPRequestHandler):
         def do_GET(self):

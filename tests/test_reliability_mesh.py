@@ -37,7 +37,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deepinfer.launcher import Mesh, free_port
+from deepinfer.launcher import Mesh
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(300)]
@@ -319,22 +319,6 @@ TTFT_BOUND_S = 2 * OVERLOAD_SLO_S  # what an admitted request's first token may 
 E2E_BOUND_S = TTFT_BOUND_S + 2.0  # ... and its whole answer (8 tokens at ~20 ms a step, plus slack)
 
 
-def start_gateway(mesh: Mesh, *args: str):
-    port = free_port()
-    proc = mesh.start_worker("gateway", ["--port", str(port), *args])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.alive, proc.log_tail()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, proc.log_tail()
-        time.sleep(0.25)
-
-
 async def timed_stream(client: httpx.AsyncClient, path: str, body: dict) -> dict:
     """One streaming request: status, Retry-After, error body, first-token and end times (s)."""
     t0 = time.perf_counter()
@@ -388,7 +372,7 @@ async def overload_wave(url: str, seed: int) -> list[dict]:
 
 
 def test_overload_at_5x_capacity_gets_429_with_retry_after_and_admitted_requests_finish_in_bound(mesh):
-    proc, url = start_gateway(mesh, "--ttft-slo-s", str(OVERLOAD_SLO_S), "--max-inflight", str(OVERLOAD_MAX_INFLIGHT))
+    proc, url = mesh.start_gateway(["--ttft-slo-s", str(OVERLOAD_SLO_S), "--max-inflight", str(OVERLOAD_MAX_INFLIGHT)])
     gateway = psutil.Process(proc.pid)
     try:
         rss = {"baseline": gateway.memory_info().rss}

@@ -764,23 +764,6 @@ MOCK_ARGS = ["--engine", "mock", "--mock-cost", MOCK_COST, "--heartbeat-s", "0.5
 VOCAB_IDS = (1000, 30000)  # plain tokens of the SmolLM2 vocabulary
 
 
-def wait_healthy(url: str, proc, timeout: float = 60) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.alive, proc.log_tail()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"{url} not healthy:\n{proc.log_tail()}")
-
-
 @pytest.fixture(scope="module")
 def mock_mesh(tmp_path_factory):
     from deepinfer.launcher import Mesh
@@ -792,16 +775,6 @@ def mock_mesh(tmp_path_factory):
     m.start(timeout=300)
     yield m
     m.stop()
-
-
-def start_gateway(mesh, *args: str) -> str:
-    from deepinfer.launcher import free_port
-
-    port = free_port()
-    proc = mesh.start_worker("gateway", ["--port", str(port), *args])
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return url
 
 
 @pytest.mark.acceptance
@@ -821,7 +794,7 @@ def test_two_gateways_overloaded_answer_429_with_retry_after_and_finish_every_ad
     rng = random.Random(11)
     load = sorted((TraceRequest(rng.uniform(0, 4.0), rng.randint(4000, 6000), 4, ()) for _ in range(64)),
                   key=lambda r: r.arrival_s)
-    gateways = [start_gateway(mock_mesh, "--ttft-slo-s", "2.5") for _ in range(2)]
+    gateways = [mock_mesh.start_gateway(["--ttft-slo-s", "2.5"])[1] for _ in range(2)]
     booked: list[PrefillBooked] = []
 
     async def both():

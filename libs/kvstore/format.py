@@ -140,6 +140,17 @@ def check_length(h: BlockHeader, itemsize: int, file_size: int) -> None:
         raise BadBlock("length mismatch (truncated?)", corrupt=True)
 
 
+def read_payload(f: BinaryIO, view: memoryview) -> None:
+    """Fill ``view`` (writable bytes) from ``f``; a network file system may return short reads.
+    Raises BadBlock (corrupt) when the file ends first."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise BadBlock("truncated payload", corrupt=True)
+        got += n
+
+
 def check_checksum(h: BlockHeader, payload) -> None:
     """Raises BadBlock (corrupt) unless ``payload`` (bytes-like) has the header's XXH3-64."""
     if xxhash.xxh3_64_intdigest(payload) != h.xxh3:
@@ -158,10 +169,5 @@ def verify_block(path: str | Path, fingerprint: str, key: str) -> None:
             raise BadBlock(f"unknown dtype {h.dtype}", corrupt=False)
         check_length(h, DTYPE_BYTES[h.dtype], os.fstat(f.fileno()).st_size)
         payload = bytearray(h.nbytes)
-        view, got = memoryview(payload), 0
-        while got < h.nbytes:  # a network file system may return short reads
-            n = f.readinto(view[got:])
-            if not n:
-                raise BadBlock("truncated payload", corrupt=True)
-            got += n
+        read_payload(f, memoryview(payload))
         check_checksum(h, payload)

@@ -40,6 +40,7 @@ from deepinfer.kvstore.format import (
     check_name,
     encode_header,
     parse_header,
+    read_payload,
 )
 from deepinfer.kvstore.stats import StoreStats
 
@@ -278,12 +279,7 @@ class BlockStore:
         check_length(h, dtype.itemsize, os.fstat(f.fileno()).st_size)
         dst = out if out is not None else torch.empty(h.shape, dtype=dtype)
         view = _byte_view(dst)
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise BadBlock("truncated payload", corrupt=True)
-            got += n
+        read_payload(f, view)
         check_checksum(h, view)
         return dst
 
