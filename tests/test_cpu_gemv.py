@@ -71,6 +71,70 @@ def test_non_contiguous_x(kernel, m):
         _check(kernel(x, w, b), x, w, b)
 
 
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_threads_give_the_same_bits(kernel, m):
+    """A call split over the helper pool writes every column, with the single-threaded call's bits."""
+    g = torch.Generator().manual_seed(m)
+    for n, k in ((2001, 576), (1536, 576), (600, 1536), (113, 576)):  # odd n: a part boundary mid-pair
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g).bfloat16()
+        b = torch.randn(n, generator=g)
+        one = kernel(x, w, b, threads=1)
+        _check(one, x, w, b)
+        for threads in (2, 3, 4, 8):
+            out = torch.full((m, n), float("nan"))
+            kernel(x, w, b, out=out, threads=threads)
+            assert torch.equal(out, one), (n, k, threads)
+    assert cpu_gemv.pool_helpers() >= 1  # the large weights were split: helper threads exist
+
+
+def test_pool_with_concurrent_callers_and_sleeping_helpers(kernel):
+    """Python threads calling at once (the kernel releases the GIL) each get their own exact result,
+    with helpers that spin and with helpers that sleep between calls (the futex path)."""
+    import threading
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(4096, 576, generator=g).bfloat16()
+    xs = [torch.randn(2, 576, generator=g) for _ in range(4)]
+    refs = [kernel(x, w, threads=1) for x in xs]
+    errors = []
+
+    def caller(i):
+        for _ in range(50):
+            if not torch.equal(kernel(xs[i], w, threads=2), refs[i]):
+                errors.append(i)
+
+    try:
+        for spin_us in (200, 0):
+            cpu_gemv.set_spin_us(spin_us)
+            threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads), "a call never returned"
+            assert errors == []
+    finally:
+        cpu_gemv.set_spin_us(200)
+
+
+def test_default_thread_count(kernel, monkeypatch):
+    """A call without ``threads`` runs on set_threads' count, else on torch's intra-op thread count."""
+    seen = []
+    monkeypatch.setattr(cpu_gemv, "_fn", lambda *args: seen.append(args[-1]))
+    x, w = torch.randn(1, 8), torch.randn(2, 8).bfloat16()
+    try:
+        cpu_gemv.set_threads(None)
+        cpu_gemv.linear_bf16w(x, w)
+        cpu_gemv.set_threads(3)
+        cpu_gemv.linear_bf16w(x, w)
+        cpu_gemv.linear_bf16w(x, w, threads=1)
+        cpu_gemv.linear_bf16w(x, w, threads=0)
+    finally:
+        cpu_gemv.set_threads(None)
+    assert seen == [torch.get_num_threads(), 3, 1, 1]
+
+
 def test_empty_and_extreme_values(kernel):
     w = torch.randn(5, 16).bfloat16()
     assert kernel(torch.empty(0, 16), w).shape == (0, 5)

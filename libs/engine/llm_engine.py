@@ -210,6 +210,8 @@ class LLMEngine:
         # it at one thread (``step_threads`` switches per step), and a batch-invariant engine's bits
         # depend on its thread count
         torch.set_num_threads(config.num_threads or DEFAULT_THREADS)
+        # the bf16-weights kernel reads weights on every thread, also in steps run on one intra-op thread
+        cpu_gemv.set_threads(config.num_threads or DEFAULT_THREADS)
         self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
         self.dtype_choice = choose_dtype(ModelConfig.from_dir(model_dir), config.dtype, config.batch_invariant)
         requested = config.dtype
