@@ -32,8 +32,6 @@ ALIASES = {"worker": "decode"}
 # the serving mode `deepinfer up` starts by default: the faster one on a 2-core machine
 # (benchmarks/bench_peers.py; docs/benchmarks.md)
 DEFAULT_MODE = "disagg"
-# Services whose module does not exist yet, and the issue that adds it.
-PLANNED: dict[str, int] = {}
 # Services a mesh runs only for some models: vision workers for vision-language models (config.json
 # with a vision_config); `deepinfer up` starts one for those, a text-only deployment needs none.
 MULTIMODAL_ONLY = ("vision",)
@@ -54,9 +52,7 @@ def cmd_serve(service: str, argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name not in (module_name, f"deepinfer.{service}"):
             raise  # the service exists but one of its imports is missing
-        issue = PLANNED.get(service)
-        where = f"see issue #{issue}" if issue else f"no module {module_name}"
-        print(f"deepinfer: service {service} is not implemented yet ({where})", file=sys.stderr)
+        print(f"deepinfer: no service {service!r} (no module {module_name})", file=sys.stderr)
         return 2
     main = getattr(module, "main", None)
     if main is None:

@@ -53,7 +53,6 @@ import yaml
 
 from cli_args import ServiceArgs, parse_service
 
-from deepinfer.cli import PLANNED
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = ROOT / "compose"
@@ -378,9 +377,9 @@ def check_commands(compose: dict, dockerfile: str) -> list[str]:
             problems.append(f"{name}: runs `serve {parsed.service}`")
     from deepinfer import cli
 
-    for service in cli.SERVICES:  # every implemented service runs (a planned one cannot; vision: VLMs only)
+    for service in cli.SERVICES:  # every service runs (vision: VLMs only)
         service = cli.ALIASES.get(service, service)  # (``worker`` is the decode service)
-        if service not in cli.PLANNED and service not in cli.MULTIMODAL_ONLY and service not in served:
+        if service not in cli.MULTIMODAL_ONLY and service not in served:
             problems.append(f"no compose service runs `deepinfer serve {service}`")
     return problems
 
@@ -894,7 +893,6 @@ COMPOSE_BREAKAGES = {
     "bad flag value": (_set_command("gateway", ["serve", "gateway", "--host", "0.0.0.0", "--port", "http"]),
                        "commands", "invalid int value"),
     "unknown service": (_add_service("router", ["serve", "router"]), "commands", "not a service the CLI accepts"),
-    **{f"planned service {s}": (_add_service(s, ["serve", s]), "commands", "not implemented yet") for s in PLANNED},
     "a service left out": (lambda c: c["services"].pop("balancer"), "commands",
                            "no compose service runs `deepinfer serve balancer`"),
     "not the deepinfer command": (_add_service("tool", ["python", "-m", "deepinfer.tokenizer"]), "commands",

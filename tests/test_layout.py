@@ -29,3 +29,38 @@ def test_transformers_and_the_kernels_import_from_the_repo_root():
          "import transformers.activations, deepinfer.kernels.attention, deepinfer.kernels.select"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a Python file imports by name (absolute ``import`` and ``from`` statements)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
+
+
+def test_engine_workers_move_kv_only_through_their_engines_connector():
+    """services/prefill and services/decode name no engine backend and hold no tensor code: KV goes to and
+    from the storage tier through ``engine.kv_connector`` whatever the engine."""
+    for name in ("prefill", "decode"):
+        for path in (ROOT / "services" / name).glob("*.py"):
+            text = path.read_text()
+            assert "engine_kind" not in text and '"vllm"' not in text, f"{path} branches on the engine"
+            assert not {m for m in _imports(path) if m == "torch" or m.startswith("torch.")}, f"{path} imports torch"
+
+
+def test_libs_never_import_the_services():
+    """Data flows one way: the libraries (libs/, the ``deepinfer`` package's own modules) never import
+    a service package (services/<name>, installed as ``deepinfer.<name>``)."""
+    banned = {f"deepinfer.{s}" for s in SERVICES}
+    for path in (ROOT / "libs").rglob("*.py"):
+        bad = {m for m in _imports(path) if m in banned or any(m.startswith(b + ".") for b in banned)}
+        assert not bad, f"{path} imports {sorted(bad)}"

@@ -219,7 +219,9 @@ def restart_nats(mesh: Mesh, down_s: float = 1.0) -> float:
 def test_2a_nats_server_restarted_under_load(mesh, oracle):
     outs, took, after = asyncio.run(load(mesh, oracle, 4, lambda: restart_nats(mesh)))
     c = counts("nats-server kill -9 + restart (1 s down)", outs, f"; all ended {after:.1f} s after")
-    assert_clean(c, max_errors=c["sent"])  # in flight: retried or a clear error
+    # only what was in flight when NATS went down may end in a clear error (measured: none did, twice);
+    # every request sent after it came back completes
+    assert_clean(c, max_errors=CONCURRENCY)
     deadline = time.monotonic() + 15
     while health(mesh) != 200:
         assert time.monotonic() < deadline, "the gateway did not see its workers again"

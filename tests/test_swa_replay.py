@@ -23,7 +23,6 @@ from deepinfer.kernels.attention import build_metadata
 from deepinfer.kvstore import BlockStore, block_hashes, ephemeral_key
 from deepinfer.kvstore.store import EPHEMERAL, is_ephemeral
 from deepinfer.prefill.service import PrefillService
-from deepinfer.decode.service import DecodeService
 from deepinfer.protocol import DecodeRequest, PrefillRequest, SamplingParams
 from model_helpers import hf_greedy_uncached, prompts, save_tiny
 
@@ -247,8 +246,8 @@ def test_bounded_replay_is_exact_when_the_window_layer_sits_on_top(window_on_top
 
 def test_replayed_handoff_reaches_decode_with_window_parts_and_exact_blocks_only_stored(interleaved, texts,
                                                                                        tmp_path):
-    """Prefill (bounded replay) -> storage tier -> decode, through the services' block writing
-    and reading: exact whole blocks under their prefix hash (full layers only), the blocks
+    """Prefill (bounded replay) -> storage tier -> decode, through the workers' KV connector's block
+    writing and reading: exact whole blocks under their prefix hash (full layers only), the blocks
     computed after the replay and the window layers' parts as ephemeral blocks; decode joins
     them and continues exactly as the prefill engine would have."""
     path, _ = interleaved
@@ -260,9 +259,8 @@ def test_replayed_handoff_reaches_decode_with_window_parts_and_exact_blocks_only
     load_from_store(pre, store, hashes[:n])
     first, out = run(pre, "r1", p2, n=2)
     assert out.prefix_path == "bounded_replay" and out.finish_reason == "handoff"
-    prefill = SimpleNamespace(engine=pre, store=store)
     req = PrefillRequest("r1", p2, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), "s")
-    keys, window_keys, stored = PrefillService.store_blocks(prefill, req, out)
+    keys, window_keys, stored = pre.kv_connector(None, store, None, None)._write_prompt(req, out)
     assert keys[:n] == hashes[:n] == stored and all(is_ephemeral(k) for k in keys[n:])
     assert window_keys[out.first_window_block] == ephemeral_key("r1", out.first_window_block, part="w")
     assert not any(window_keys[: out.first_window_block])
@@ -270,9 +268,7 @@ def test_replayed_handoff_reaches_decode_with_window_parts_and_exact_blocks_only
     handoff = DecodeRequest("r1", p2, first, req.sampling, "s", keys, out.num_kv_tokens, BS,
                             window_block_keys=window_keys, num_exact_blocks=out.num_exact_blocks)
     dec = engine(path)
-    decode = SimpleNamespace(engine=dec, store=store)
-    decode.read_block = lambda *a: DecodeService.read_block(decode, *a)
-    kv, complete = DecodeService.load_blocks(decode, handoff)
+    kv, complete = dec.kv_connector(None, store, None, None).read_blocks(handoff)
     assert complete and torch.equal(kv, out.kv_blocks)
     assert not any(store.contains(k, EPHEMERAL) for k in keys[n:] + [k for k in window_keys if k])
     dec.add_request("r1", p2, req.sampling, output_token_ids=first, kv_blocks=kv, num_kv_tokens=out.num_kv_tokens,

@@ -36,6 +36,7 @@ import torch
 from deepinfer import probe_cache
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.hybrid_blocks import SWA_MODES, HybridBlockManager, WindowBlockManager
+from deepinfer.engine.kv_connector import TierConnector
 from deepinfer.engine.kv_layout import KVLayout
 from deepinfer.engine.cost_model import StepCostModel, features
 from deepinfer.engine.dtype_choice import Bf16WeightsChoice, choose_bf16_weight_rows, choose_dtype, time_linear_pass
@@ -454,6 +455,31 @@ class LLMEngine:
             raise RequestError(f"token ids must be in [0, {vocab})")
         if len(tokens) >= self.max_model_len:
             raise RequestError(f"{len(tokens)} tokens >= max model length {self.max_model_len}")
+
+    def load_fields(self) -> dict:
+        """``LoadReport`` fields of this engine now: queue, KV use, queued prefill compute, cost model,
+        prefix-cache hits and paths, SWA state cache. Safe to call from another thread while the engine
+        steps (counters and ``queued_prefill``; approximate)."""
+        cm, bm = self.cost_model, self.block_manager
+        queued_tokens, queued_s = self.queued_prefill()
+        swa = getattr(self, "swa_cache", None)
+        return dict(active_requests=self.num_running, waiting_requests=self.num_waiting,
+                    kv_tokens_used=self.kv_tokens_used, kv_tokens_capacity=self.kv_tokens_capacity,
+                    peak_batch_size=self.peak_batch_size, steps=self.num_steps, queued_prefill_tokens=queued_tokens,
+                    queued_prefill_s=queued_s, cost_a=cm.a, cost_b=cm.b, cost_d=cm.d, cost_e=cm.e,
+                    step_time_budget_s=self.config.step_time_budget_s or 0.0, block_size=bm.block_size,
+                    prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
+                    engine=self.engine_kind, fingerprint=self.fingerprint, kv_block_bytes=self.block_bytes,
+                    finished_requests=self.num_finished_requests, computed_tokens=self.num_computed_tokens_total,
+                    busy_s=self.busy_s_total, prefix_paths=dict(bm.prefix_paths),
+                    replayed_tokens=bm.num_replayed_tokens, swa_cache_bytes=swa.nbytes if swa else 0,
+                    swa_cache_hits=swa.hits if swa else 0, swa_cache_misses=swa.misses if swa else 0,
+                    max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs)
+
+    def kv_connector(self, async_engine, store, io, index, async_store=None) -> TierConnector:
+        """This engine's link to the storage tier for a worker service (``engine.kv_connector``):
+        the connector reads and writes block files and moves them in and out of this engine."""
+        return TierConnector(self, async_engine, store, io, index, async_store)
 
     def cached_prefix_blocks(self, hashes: list[str]) -> int:
         """How many leading ``hashes`` this engine's prefix cache holds now (a hint: may

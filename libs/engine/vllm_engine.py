@@ -169,6 +169,14 @@ class VllmEngine:
                                                                     len(output_token_ids)))
         self._requests[request_id] = (len(prompt_token_ids), left)
 
+    def kv_connector(self, async_engine, store, io, index, async_store=None):
+        """This engine's link to the storage tier for a worker service: vLLM's own connector
+        (``engine.vllm_connector``) moves the blocks, this one announces them
+        (``engine.kv_connector.VllmTierConnector``)."""
+        from deepinfer.engine.kv_connector import VllmTierConnector
+
+        return VllmTierConnector(self, async_engine, store, io, index, async_store)
+
     def cached_prefix_blocks(self, hashes: list[str]) -> int:
         """0: which stored blocks vLLM caches is its connector's business (it loads what it lacks)."""
         return 0

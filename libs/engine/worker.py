@@ -76,29 +76,10 @@ class EngineWorker(Service):
         self.on_outputs(outputs)
 
     def load_report(self) -> LoadReport:
-        """The engine's load now (runs on the service's loop while the engine thread steps:
-        reads counters and ``queued_prefill``, which are safe to read from here)."""
-        if self.engine.engine_kind == "vllm":  # no cost model / block manager of ours
-            return LoadReport(role=self.role, worker_id=self.worker_id, aborted_requests=self.num_aborted,
-                              tier_id=self.store.tier_id, **self.engine.load_fields())
-        e, cm, bm = self.engine, self.engine.cost_model, self.engine.block_manager
-        queued_tokens, queued_s = e.queued_prefill()
-        swa = getattr(e, "swa_cache", None)
-        return LoadReport(role=self.role, worker_id=self.worker_id, active_requests=e.num_running,
-                          waiting_requests=e.num_waiting, kv_tokens_used=e.kv_tokens_used,
-                          kv_tokens_capacity=e.kv_tokens_capacity, peak_batch_size=e.peak_batch_size,
-                          steps=e.num_steps, queued_prefill_tokens=queued_tokens, queued_prefill_s=queued_s,
-                          cost_a=cm.a, cost_b=cm.b, cost_d=cm.d, cost_e=cm.e,
-                          step_time_budget_s=e.config.step_time_budget_s or 0.0, block_size=bm.block_size,
-                          prefix_hit_tokens=bm.num_hit_tokens, prefix_queried_tokens=bm.num_queried_tokens,
-                          engine=e.engine_kind, fingerprint=e.fingerprint,
-                          kv_block_bytes=e.block_bytes, finished_requests=e.num_finished_requests,
-                          computed_tokens=e.num_computed_tokens_total, busy_s=e.busy_s_total,
-                          prefix_paths=dict(bm.prefix_paths), replayed_tokens=bm.num_replayed_tokens,
-                          swa_cache_bytes=swa.nbytes if swa else 0, swa_cache_hits=swa.hits if swa else 0,
-                          swa_cache_misses=swa.misses if swa else 0, max_model_len=e.max_model_len,
-                          aborted_requests=self.num_aborted, max_num_seqs=e.config.max_num_seqs,
-                          tier_id=self.store.tier_id)
+        """The engine's load now (runs on the service's loop while the engine thread steps: the
+        engine's ``load_fields`` reads counters that are safe to read from here)."""
+        return LoadReport(role=self.role, worker_id=self.worker_id, aborted_requests=self.num_aborted,
+                          tier_id=self.store.tier_id, **self.engine.load_fields())
 
     async def metric_families(self) -> list:
         """Load (the ``LoadReport``), KV blocks, storage-tier traffic and speculative decoding."""

@@ -53,15 +53,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
-from deepinfer.kvstore import KVIndexClient, block_hashes
+from deepinfer.kvstore import KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
-from deepinfer.kvstore.store import EPHEMERAL, is_ephemeral
 from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
 from deepinfer.telemetry import get_logger, tracer
 
@@ -88,6 +86,7 @@ class DecodeService(EngineWorker):
         self.start_engine()
         self._keepalive = asyncio.create_task(self.keep_alive())
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
+        self.kv = self.engine.kv_connector(self.async_engine, self.store, self.io, self.index)
         self._tasks: set[asyncio.Task] = set()  # prompt blocks being written to the storage tier
         self.embeddings = EmbeddingsReader(self.store.root)  # a resumed prompt's images
         self.intake.append(await self.mesh.subscribe(subjects.DECODE_SUBMIT, self.on_submit, queue=subjects.DECODE_GROUP,
@@ -115,10 +114,7 @@ class DecodeService(EngineWorker):
         # a prefix: what this engine caches already is not read again
         skip = 0 if handoff else self.engine.cached_prefix_blocks(req.kv_block_keys[: (num_tokens - 1) // bs])
         with tracer().start_as_current_span("decode.load") as span:
-            if self.engine.engine_kind == "vllm":  # its connector loads the stored prefix (engine.vllm_connector)
-                kv, complete = None, False
-            else:
-                kv, complete = await asyncio.get_running_loop().run_in_executor(self.io, self.load_blocks, req, skip)
+            kv, complete = await self.kv.read_request_kv(req, skip)
             span.set_attributes({"deepinfer.kv.blocks": len(req.kv_block_keys),
                                  "deepinfer.kv.cached_blocks": skip,
                                  "deepinfer.kv.loaded_blocks": 0 if kv is None else len(kv),
@@ -136,7 +132,7 @@ class DecodeService(EngineWorker):
             if isinstance(embeds, str):
                 raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
-                await self.load_prefix(req, kv, num_tokens, skip)
+                await self.kv.load_prefix(req, kv, num_tokens, skip)
                 if self.requests.get(req.request_id) is not req:  # aborted while the prefix went in
                     self.end_span(req.request_id, error="aborted")
                     return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
@@ -233,7 +229,7 @@ class DecodeService(EngineWorker):
                 chunk.error = "decode engine failed"
             asyncio.ensure_future(self.mesh.publish(req.stream_subject, chunk))
             if out.kv_blocks is not None:  # the prompt, computed here: for reuse by any worker
-                task = asyncio.ensure_future(self.store_prompt(req, out))
+                task = asyncio.ensure_future(self.kv.save_computed(req, out))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -266,99 +262,13 @@ class DecodeService(EngineWorker):
             span.set_status(StatusCode.ERROR, error)
         span.end()
 
-    async def store_prompt(self, req: DecodeRequest, out: StepOutput) -> None:
-        """Write the prompt blocks this engine computed (``out.kv_blocks``, full layers' part) to the
-        storage tier under their prefix hashes, and announce them to the kvindex. Never raises:
-        the tier is an optimisation."""
-        try:
-            bs = self.engine.config.block_size
-            hashes = block_hashes(req.prompt_token_ids, bs, self.engine.fingerprint, (req.cache_salt or "").encode(),
-                                  [tuple(i) for i in req.images])
-            keys = hashes[out.kv_first_block : out.kv_first_block + out.num_exact_blocks]
-            stored = await asyncio.get_running_loop().run_in_executor(
-                self.io, self.write_blocks, keys, out.kv_blocks, req.traffic_class)
-            if stored:
-                part = self.engine.kv_layout.full_part(out.kv_blocks[0])
-                self.index.publish_stored(stored, req.traffic_class, part.numel() * part.element_size(), bs)
-        except Exception as e:
-            log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
-
-    def write_blocks(self, keys: list[str], blocks: torch.Tensor, traffic_class: str) -> list[str]:
-        """Write ``blocks`` (their full layers' part) under ``keys`` unless there already (runs on
-        the I/O pool); returns the keys now in the tier. A failed write ends it (counted)."""
-        stored = []
-        for key, block in zip(keys, blocks):
-            try:
-                if not self.store.contains(key, traffic_class):
-                    self.store.put(key, self.engine.kv_layout.full_part(block), traffic_class,
-                                   num_tokens=self.engine.config.block_size)
-            except OSError as e:
-                self.store.stats.write_errors += 1
-                log.warning("kv_store_write_failed", key=key, error=str(e))
-                break
-            stored.append(key)
-        return stored
-
-    def load_blocks(self, req: DecodeRequest, start: int = 0) -> tuple[torch.Tensor | None, bool]:
-        """Read the request's blocks from ``start`` on, in order, up to the first missing, corrupt
-        or misshapen one; ephemeral blocks are deleted either way. Returns (blocks,
-        complete): complete when every block (hybrid models: and the window part of
-        each block that has one) was read; the blocks then hold every layer, else the
-        full layers' part of the leading blocks read (None if none)."""
-        layout, cfg = self.engine.kv_layout, self.engine.model_config
-        tail = (2, self.engine.config.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        window_keys = req.window_block_keys if layout.hybrid else []
-        full, windows, ok = [], [], True
-        for i, key in enumerate(req.kv_block_keys[start:], start):
-            block = self.read_block(req, key, ok, (len(layout.full_layers), *tail))
-            if ok and block is None:  # (a prefix looked up, ``num_kv_tokens`` 0: the end of what is stored)
-                (log.warning if req.num_kv_tokens else log.debug)("kv_block_miss", request_id=req.request_id, key=key)
-                ok = False
-            if ok:
-                full.append(block)
-            window_key = window_keys[i] if i < len(window_keys) else ""
-            part = self.read_block(req, window_key, ok, (len(layout.window_layers), *tail)) if window_key else None
-            windows.append(part)
-            if ok and window_key and part is None:
-                log.warning("kv_block_miss", request_id=req.request_id, key=window_key)
-                window_keys = []  # the window state is gone: the full parts still make a prefix
-        if not full:
-            return None, False
-        if layout.hybrid and (len(window_keys) != len(req.kv_block_keys) or not ok):
-            return torch.stack(full), False
-        return torch.stack([layout.join(f, w) for f, w in zip(full, windows)]), ok
-
-    def read_block(self, req: DecodeRequest, key: str, read: bool, shape: tuple) -> torch.Tensor | None:
-        """Block ``key`` if ``read`` and it is there with ``shape`` (else None); an ephemeral
-        block is deleted either way."""
-        eph = is_ephemeral(key)
-        block = self.store.get(key, EPHEMERAL if eph else req.traffic_class) if read else None
-        if eph:
-            self.store.delete(key, EPHEMERAL)
-        return block if block is not None and tuple(block.shape) == shape else None
-
-    def read_embeddings(self, req: DecodeRequest) -> list[torch.Tensor] | str:
+    def read_embeddings(self, req: DecodeRequest) -> list | str:
         """The prompt's images' embeddings from the storage tier (``EmbeddingsReader``), or why not."""
         try:
             return self.embeddings.read(req.embeddings_fingerprint, req.images)
         except RuntimeError as e:
             log.warning("image_embeddings_unavailable", request_id=req.request_id, error=str(e))
             return str(e)
-
-    async def load_prefix(self, req: DecodeRequest, kv: torch.Tensor, num_tokens: int, start: int = 0) -> int:
-        """Put the leading full blocks of ``kv`` (the prompt's blocks from ``start`` on, keyed by their
-        prefix hash) into the engine's prefix cache, so recomputing the request computes only what
-        they do not cover. At least one token is left to compute. Returns the number of blocks inserted."""
-        bs = self.engine.config.block_size
-        keys = req.kv_block_keys[start:]
-        n = 0
-        while n < min(len(kv), (num_tokens - 1) // bs - start) and not is_ephemeral(keys[n]):
-            n += 1  # (blocks past ``num_exact_blocks`` have ephemeral keys)
-        if n <= 0:
-            return 0
-        got = await self.async_engine.call(self.engine.load_prefix, keys[:n], kv[:n])
-        log.info("kv_prefix_loaded", request_id=req.request_id, blocks=got, tokens=num_tokens)
-        return got
 
 
 def main(argv: list[str] | None = None) -> None:

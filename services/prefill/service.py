@@ -55,14 +55,12 @@ import asyncio
 import dataclasses
 import time
 import structlog
-import torch
 from opentelemetry import context as otel_context
 
 from deepinfer.engine.llm_engine import RequestError, StepOutput
 from deepinfer.engine.worker import EngineWorker
-from deepinfer.kvstore import AsyncBlockStore, KVIndexClient, block_hashes, ephemeral_key
+from deepinfer.kvstore import AsyncBlockStore, KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
-from deepinfer.kvstore.store import EPHEMERAL
 from deepinfer.mesh import MeshError, RequestTimeout
 from deepinfer.protocol import (AbortLedger, AbortRequest, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError, SubmitReply,
                                 TokenChunk, subjects)
@@ -95,9 +93,9 @@ class PrefillService(EngineWorker):
     async def setup(self) -> None:
         self.start_engine()
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
-        self.async_store = AsyncBlockStore(self.store, io_threads=2)
+        self.kv = self.engine.kv_connector(self.async_engine, self.store, self.io, self.index,
+                                           AsyncBlockStore(self.store, io_threads=2))
         self.embeddings = EmbeddingsReader(self.store.root)  # image embeddings (vision-language models)
-        self.num_loaded_blocks = 0  # blocks read from the storage tier into the engine
         # the queue group is this worker's intake: drained first on SIGTERM, so new work goes elsewhere
         self.intake.append(await self.mesh.subscribe(subjects.PREFILL_SUBMIT, self.on_submit,
                                                      queue=subjects.PREFILL_GROUP, span_name="prefill.submit"))
@@ -141,7 +139,7 @@ class PrefillService(EngineWorker):
         """Load the request's stored prefix, then queue it in the engine (unless aborted meanwhile)."""
         with tracer().start_as_current_span("prefill.load") as span:
             try:
-                span.set_attribute("deepinfer.kv.loaded_blocks", await self.load_stored_prefix(req))
+                span.set_attribute("deepinfer.kv.loaded_blocks", await self.kv.load_stored_prefix(req))
             except Exception as e:  # the cache is an optimisation: never fail a request for it
                 log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
         if self.requests.get(req.request_id) is not req:  # aborted while its prefix loaded
@@ -194,52 +192,12 @@ class PrefillService(EngineWorker):
         task.add_done_callback(self._tasks.discard)
 
     # --- helpers ---------------------------------------------------------------
-    def prompt_hashes(self, req: PrefillRequest) -> list[str]:
-        """Chained hashes of the prompt's full blocks (the engine's own chain, with the salt and
-        the images' content hashes)."""
-        return block_hashes(req.prompt_token_ids, self.engine.config.block_size, self.engine.fingerprint,
-                            (req.cache_salt or "").encode(), [tuple(i) for i in req.images])
-
-    async def load_image_embeddings(self, req: PrefillRequest) -> list[torch.Tensor]:
+    async def load_image_embeddings(self, req: PrefillRequest) -> list:
         """Each image's embeddings from the storage tier, where the vision service wrote them
         (``EmbeddingsReader``). Raises RuntimeError when one is missing, damaged or does not fit
         its placeholder run (the request then fails with that error)."""
         return await asyncio.get_running_loop().run_in_executor(
             self.io, self.embeddings.read, req.embeddings_fingerprint, req.images)
-
-    async def load_stored_prefix(self, req: PrefillRequest) -> int:
-        """Load the longest stored prefix not cached here yet into the engine's prefix cache.
-
-        At least one prompt token is always computed (its logits give the first
-        token), so a fully stored prompt loads all blocks but one. Nothing is loaded for a
-        request that wants prompt logprobs: the engine computes its whole prompt. Returns the
-        number of blocks loaded.
-        """
-        if self.engine.engine_kind == "vllm":  # its connector loads stored blocks itself (engine.vllm_connector)
-            return 0
-        if req.sampling.prompt_logprobs is not None:
-            return 0
-        bs = self.engine.config.block_size
-        hashes = self.prompt_hashes(req)[: (len(req.prompt_token_ids) - 1) // bs]
-        local = self.engine.cached_prefix_blocks(hashes)  # NOTE: a read-only hint from another thread
-        if local == len(hashes):
-            return 0
-        stored = await self.index.lookup(hashes, req.traffic_class, num_tokens=len(req.prompt_token_ids))
-        if stored <= local:
-            return 0
-        keys = hashes[local:stored]
-        e = self.engine
-        cfg = e.model_config
-        # hybrid sliding-window models store their full layers only (``engine.kv_layout``)
-        staging = torch.empty(len(keys), len(e.kv_layout.full_layers), 2, bs, cfg.num_key_value_heads,
-                              cfg.head_dim, dtype=e.runner.kv_cache.dtype)
-        got = await self.async_store.read_prefix_into(keys, req.traffic_class, staging)
-        if got < len(keys):  # the index named a block the tier no longer has (or a corrupt one)
-            self.index.publish_removed([keys[got]], req.traffic_class)
-        if got:
-            got = await self.async_engine.call(e.load_prefix, keys[:got], staging[:got])
-            self.num_loaded_blocks += got
-        return got
 
     def record_spans(self, req: PrefillRequest, out: StepOutput, ctx: otel_context.Context | None) -> None:
         """The engine's part of the request's trace, timed on the engine thread: ``prefill.queue``
@@ -284,10 +242,9 @@ class PrefillService(EngineWorker):
                 chunk.error = "prefill engine failed"
             await self.mesh.publish(req.stream_subject, chunk)
             if out.kv_blocks is not None:  # ended at its first token: its prompt is still worth reusing
-                # (--engine vllm: its connector stored the blocks already)
                 try:
                     with tracer().start_as_current_span("prefill.store"):
-                        await self.store_and_announce(req, out)
+                        await self.kv.save_prompt(req, out)
                 except Exception as e:  # the tier is an optimisation
                     log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
             return
@@ -296,7 +253,7 @@ class PrefillService(EngineWorker):
                  chunks=len(out.chunk_times))
         try:
             with tracer().start_as_current_span("prefill.store") as span:
-                keys, window_keys = await self.store_and_announce(req, out)
+                keys, window_keys = await self.kv.save_prompt(req, out)
                 span.set_attribute("deepinfer.kv.blocks", len(keys))
             if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
@@ -357,64 +314,6 @@ class PrefillService(EngineWorker):
             target, attempt = None, attempt + 1
             await asyncio.sleep(pause)
             backoff = min(2 * backoff, HANDOFF_RETRY_S[1])
-
-    async def store_and_announce(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str]]:
-        """``store_blocks`` on the I/O pool, then the stored blocks announced to the kvindex
-        (in the background); returns the keys of all blocks and of their window parts.
-        ``--engine vllm``: its connector wrote the prompt's full blocks during the step (retention
-        class "chat"); only those found in the tier are announced and handed off."""
-        if self.engine.engine_kind == "vllm":
-            keys = self.prompt_hashes(req)[: len(req.prompt_token_ids) // self.engine.config.block_size]
-            n = await asyncio.get_running_loop().run_in_executor(  # the leading run of them in the tier
-                self.io, lambda: next((i for i, k in enumerate(keys) if not self.store.contains(k, "chat")), len(keys)))
-            stored = keys[:n]
-            if stored:
-                self.index.publish_stored(stored, "chat", self.engine.block_bytes, self.engine.config.block_size)
-            return stored, []
-        keys, window_keys, stored = await asyncio.get_running_loop().run_in_executor(
-            self.io, self.store_blocks, req, out)
-        if stored:
-            block = self.engine.kv_layout.full_part(out.kv_blocks[0])
-            block_bytes = block.numel() * block.element_size()
-            self.index.publish_stored(stored, req.traffic_class, block_bytes, self.engine.config.block_size)
-        return keys, window_keys
-
-    def store_blocks(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str], list[str]]:
-        """Write the prompt's KV blocks (runs on the I/O pool): the first
-        ``out.num_exact_blocks`` whole blocks under their prefix hash, the others
-        (partial, or computed after a bounded replay) under ephemeral keys; for hybrid
-        sliding-window models only the full layers' part (``engine.kv_layout``) so,
-        and for a handoff each block's window part that holds KV under an ephemeral
-        key too. Returns (keys of all blocks in order, keys of their window parts
-        ("" = none; empty list for models without window layers), hashes of the
-        blocks now in the tier). A failed write is skipped (decode then recomputes)."""
-        bs, layout = self.engine.config.block_size, self.engine.kv_layout
-        full = block_hashes(req.prompt_token_ids[: out.num_kv_tokens], bs, self.engine.fingerprint,
-                            (req.cache_salt or "").encode(), [tuple(i) for i in req.images])[: out.num_exact_blocks]
-        handoff = out.finish_reason == "handoff"
-        keys, window_keys, stored = [], [], []
-        for i in range(out.kv_blocks.shape[0]):
-            block = layout.full_part(out.kv_blocks[i])
-            window_key = ""
-            try:
-                if i < len(full):
-                    key = full[i]
-                    if not self.store.contains(key, req.traffic_class):
-                        self.store.put(key, block, req.traffic_class, num_tokens=bs)
-                    stored.append(key)
-                else:
-                    key = ephemeral_key(req.request_id, i)
-                    self.store.put(key, block, EPHEMERAL)
-                if layout.hybrid and handoff and i >= out.first_window_block:
-                    window_key = ephemeral_key(req.request_id, i, part="w")
-                    self.store.put(window_key, layout.window_part(out.kv_blocks[i]), EPHEMERAL)
-            except OSError as e:
-                self.store.stats.write_errors += 1
-                log.warning("kv_store_write_failed", request_id=req.request_id, error=str(e))
-            keys.append(key)
-            if layout.hybrid:
-                window_keys.append(window_key)
-        return keys, window_keys, stored
 
     def busy(self) -> bool:
         return bool(self.requests or self._tasks)
