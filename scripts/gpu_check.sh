@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # ~2-4 minutes; every step has its own time limit, 280 s in all
 #
-#   1. the kernel tests natively on the GPU (tests/test_triton_kernels.py: each kernel
+#   1. the kernel tests natively on the GPU (tests/kernel/test_triton_kernels.py: each kernel
 #      vs its torch reference, bf16 as half precision);
 #   2. the engine test (greedy output identical on the torch and Triton paths) under
 #      TRITON_INTERPRET=1: the engine itself runs on the CPU, so its Triton path runs
@@ -16,7 +16,7 @@
 # is not installed, the repository is put on PYTHONPATH in its installed layout.
 #
 # Without a CUDA device it says so and exits 1: on a CPU the same tests run under the
-# interpreter with `pytest tests/test_triton_interpreter.py`. Exit status: 0 when
+# interpreter with `pytest tests/kernel/test_triton_interpreter.py`. Exit status: 0 when
 # every step passed, 1 otherwise (all steps still run).
 set -uo pipefail
 
@@ -34,7 +34,7 @@ else
 fi
 if [[ -z "$PY" ]] || ! has_cuda "$PY"; then
     say "no CUDA device visible to torch (python: ${PY:-none}; torch: $("${PY:-python3}" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)): nothing checked."
-    say "On a CPU the kernels are tested under the Triton interpreter: .venv/bin/python -m pytest tests/test_triton_interpreter.py"
+    say "On a CPU the kernels are tested under the Triton interpreter: .venv/bin/python -m pytest tests/kernel/test_triton_interpreter.py"
     exit 1
 fi
 if ! "$PY" -c 'import triton, pytest' >/dev/null 2>&1; then
@@ -69,8 +69,8 @@ step() {  # step NAME SECONDS command...
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --noconftest)  # conftest starts NATS/redis: not needed
-step "kernel tests, native" 100 env -u TRITON_INTERPRET "${PYTEST[@]}" tests/test_triton_kernels.py -k "not engine"
-step "engine test, interpreter" 90 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/test_triton_kernels.py -k engine
+step "kernel tests, native" 100 env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernel/test_triton_kernels.py -k "not engine"
+step "engine test, interpreter" 90 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernel/test_triton_kernels.py -k engine
 step "benchmark" 90 env -u TRITON_INTERPRET "$PY" benchmarks/bench_kernels.py
 
 echo

@@ -2,7 +2,7 @@
 # Install (once) and run the tests; arguments go to pytest. The 25 slowest tests are listed at the end.
 #   bash scripts/test.sh                        # the main suite (tests/, in .venv), then the vLLM backend's
 #                                               # (tests_vllm/, in .venv-vllm: scripts/setup_vllm.sh)
-#   bash scripts/test.sh [-k name] [tests/test_x.py] ...   # only the main suite, with these arguments
+#   bash scripts/test.sh [-k name] [tests/engine/test_x.py] ...   # only the main suite, with these arguments
 #   bash scripts/test.sh --vllm [pytest args]   # only the vLLM backend's tests
 # DEEPINFER_SKIP_VLLM=1 leaves the vLLM tests out of a full run (the second environment is ~4
 # minutes to build and ~900 MB). DEEPINFER_TEST_WORKERS=N (default 3) runs the main suite on N pytest

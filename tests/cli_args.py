@@ -1,5 +1,5 @@
 """What ``deepinfer <argv>`` parses under a given environment, without running the service: the
-deployment checks (tests/test_compose.py, tests/test_kubernetes.py) run each container's command
+deployment checks (tests/e2e/test_compose.py, tests/e2e/test_kubernetes.py) run each container's command
 through the real CLI parsers and record which environment variables the code looked up."""
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import functools
 import gc
 import os
 import re
+import sys
 import tempfile
 import zlib
 from pathlib import Path
@@ -35,9 +36,17 @@ import pytest
 
 from deepinfer.launcher import Mesh, start_nats, start_redis
 
+# tests/ mirrors the source folders (engine/, gateway/, kvstore/, mesh/, ...); a test module imports the
+# shared helpers here (model_helpers, gateway_harness, cli_args) and other modules' helpers by file name
+TESTS = Path(__file__).resolve().parent
+TEST_FOLDERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name[0] not in "._")
+for _folder in (TESTS, *TEST_FOLDERS):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 # Meshes started by the tests run fp32 unless a test asks otherwise (``env={"DEEPINFER_DTYPE": ...}``):
 # their outputs are pinned token for token against ``transformers`` in fp32, and ``--dtype auto``
-# would pick bf16 on a CPU with fast bf16 GEMMs (tests/test_dtype.py covers that choice).
+# would pick bf16 on a CPU with fast bf16 GEMMs (tests/engine/test_dtype.py covers that choice).
 os.environ.setdefault("DEEPINFER_DTYPE", "float32")
 # ... on a 0.5 GB KV cache (the default 1 GB): room for the whole 8,192-token context in fp32, and the
 # memory of the meshes that run at once (two test workers: the groups below) stays well inside the host
@@ -190,3 +199,24 @@ def pytest_xdist_make_scheduler(config, log):
             return _test_kind(nodeid.split("::")[0])
 
     return ByKind(config, log)
+
+
+# What makes a test module an integration test: it starts servers or processes (a mesh, nats-server,
+# redis-server, the CLI, a subprocess) or builds an engine on model weights in-process.
+INTEGRATION = re.compile(r"\bMesh\(|\bmake_mesh\b|\bopenai_client\b|def test_\w+\([^)]*\bmesh\b|\bnats_url\b|"
+                         r"\bredis_url\b|\bstart_nats(_server)?\b|\bstart_redis\b|\bsubprocess\b|\bLLMEngine\b|"
+                         r"\bengine_greedy\b|\bMockEngine\b")
+
+
+@functools.cache
+def _test_level(path: Path) -> str:
+    """"integration" or "unit" for a test module (``INTEGRATION``)."""
+    return "integration" if INTEGRATION.search(path.read_text(encoding="utf-8")) else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test is marked ``unit`` (in-process, no servers: ``pytest -m unit``) or ``integration``
+    (``_test_level`` of its module), unless it carries one of the two itself."""
+    for item in items:
+        if item.get_closest_marker("unit") is None and item.get_closest_marker("integration") is None:
+            item.add_marker(_test_level(Path(item.fspath)))

@@ -44,7 +44,7 @@ from deepinfer.bench.trace import PromptMaker, load_mooncake, scale_trace
 DATASETS = ("random", "shared-prefix", "multi-turn", "agent", "trace")
 
 # One token each, after a space, in GPT-2 / Llama 3 / SmolLM2 / Qwen vocabularies (checked for SmolLM2 by
-# tests/test_bench_serve.py).
+# tests/bench/test_bench_serve.py).
 WORDS = tuple("""
 the of and to in is that for it as was with be by on not he this are or his from at which but have an they
 you were her she there been one all we their has would when if so no will more can out time up about into

@@ -511,7 +511,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MOCK_ARGS = ["--engine", "mock", "--heartbeat-s", "0.5"]
-MOCK_PREFILL_COST = "0.004,3e-4,1e-9,1e-7"  # as tests/test_reliability_mesh.py: ~0.3 ms a prompt token
+MOCK_PREFILL_COST = "0.004,3e-4,1e-9,1e-7"  # as tests/reliability/test_reliability_mesh.py: ~0.3 ms a prompt token
 MOCK_DECODE_COST = "0.02,1e-4,1e-9,1e-7"  # 20 ms a step
 
 

@@ -32,7 +32,7 @@ is the reference's ``key_starts`` of bounded SWA replay). Sinks (GPT-OSS, Xiao
 et al. 2023): the softmax denominator gets ``exp(sink[h])``, which the online
 softmax starts from (running max = sink, running sum = 1).
 
-Tolerances vs the torch reference (tests/test_triton_kernels.py): fp32
+Tolerances vs the torch reference (tests/kernel/test_triton_kernels.py): fp32
 max |diff| <= 2e-5 (fp32 dots run IEEE, not TF32), fp16/bf16 <= 2e-2.
 Not done here: split-KV ("flash decoding") for long single sequences.
 """

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_no_repo_root_package_has_the_name_of_an_installed_top_level_package():
@@ -21,6 +21,14 @@ def test_no_repo_root_package_has_the_name_of_an_installed_top_level_package():
     installed = set(importlib.metadata.packages_distributions())
     assert not root_packages & installed, (
         f"repo-root packages {sorted(root_packages & installed)} shadow installed ones")
+
+
+def test_no_test_folder_has_the_name_of_an_installed_top_level_package():
+    """tests/ is on sys.path while the suite runs (tests/conftest.py), so a folder of it would be found as a
+    namespace package by a library probing for an optional package of that name (``find_spec``)."""
+    folders = {d.name for d in (ROOT / "tests").iterdir() if d.is_dir() and d.name[0] not in "._"}
+    installed = set(importlib.metadata.packages_distributions())
+    assert folders and not folders & installed, f"test folders {sorted(folders & installed)} shadow installed ones"
 
 
 def test_transformers_and_the_kernels_import_from_the_repo_root():

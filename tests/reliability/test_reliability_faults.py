@@ -58,7 +58,7 @@ def mesh(tmp_path_factory):
     m.stop()
     if TABLE:
         print("\nfaults under load (sent / ok / error / wrong / broken / hung; faults: "
-              "pytest tests/test_reliability_faults.py -s):")
+              "pytest tests/reliability/test_reliability_faults.py -s):")
         for name, c in TABLE.items():
             print(f"  {name:<44} {c['sent']:>4} {c['ok']:>4} {c['error']:>4} {c['wrong']:>4} {c['broken']:>4} "
                   f"{c['hung']:>4}")

@@ -59,7 +59,7 @@ import yaml
 
 from cli_args import ServiceArgs, parse_service
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("disagg", "agg")
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests target (the schemas they are checked against)

@@ -217,6 +217,6 @@ def test_the_gateway_kvindex_and_balancer_run_without_torch(mesh):
     assert any("libtorch" in Path(f"/proc/{p.pid}/maps").read_text() for p in mesh.processes["decode"])
 
 
-# Killing the decode worker mid-stream: tests/test_failover.py's
+# Killing the decode worker mid-stream: tests/reliability/test_failover.py's
 # test_only_decode_worker_killed_ends_the_stream_with_a_clear_error_event (mock workers: the gateway's
 # path is the same, and a real engine here cost a private mesh of ~50 s).

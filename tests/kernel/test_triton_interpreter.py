@@ -1,4 +1,4 @@
-"""Runs tests/test_triton_kernels.py under the Triton interpreter, in a child process.
+"""Runs tests/kernel/test_triton_kernels.py under the Triton interpreter, in a child process.
 
 TRITON_INTERPRET=1 must be set before triton is first imported (transformers
 imports it too), so it cannot be switched on inside this process without
@@ -23,7 +23,7 @@ MIN_TESTS = 27  # the module's test count when all run: fewer means some were sk
 def test_triton_kernels_pass_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(KERNEL_TESTS)],
-                          cwd=KERNEL_TESTS.parent.parent, env=env, capture_output=True, text=True, timeout=500)
+                          cwd=KERNEL_TESTS.parents[2], env=env, capture_output=True, text=True, timeout=500)
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
     summary = proc.stdout.strip().splitlines()[-1]

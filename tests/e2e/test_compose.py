@@ -54,7 +54,7 @@ import yaml
 from cli_args import ServiceArgs, parse_service
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
