@@ -167,11 +167,15 @@ class TierConnector:
         parts ("" = none; an empty list for models without window layers), for the handoff."""
         keys, window_keys, stored = await asyncio.get_running_loop().run_in_executor(
             self.io, self._write_prompt, req, out)
-        if stored:
-            block = self.engine.kv_layout.full_part(out.kv_blocks[0])
-            self.index.publish_stored(stored, req.traffic_class, block.numel() * block.element_size(),
-                                      self.block_size)
+        self._announce(stored, req.traffic_class, out.kv_blocks)
         return keys, window_keys
+
+    def _announce(self, stored: list[str], traffic_class: str, blocks: torch.Tensor) -> None:
+        """Tell the kvindex that ``stored`` are in the tier (each the full layers' part of a block
+        of ``blocks``: that part's bytes are the stored size)."""
+        if stored:
+            part = self.engine.kv_layout.full_part(blocks[0])
+            self.index.publish_stored(stored, traffic_class, part.numel() * part.element_size(), self.block_size)
 
     def _write_prompt(self, req: PrefillRequest, out: StepOutput) -> tuple[list[str], list[str], list[str]]:
         """The first ``out.num_exact_blocks`` blocks under their prefix hash, the others (partial, or
@@ -216,10 +220,7 @@ class TierConnector:
             keys = self.prompt_hashes(req)[out.kv_first_block : out.kv_first_block + out.num_exact_blocks]
             stored = await asyncio.get_running_loop().run_in_executor(
                 self.io, self._write_blocks, keys, out.kv_blocks, req.traffic_class)
-            if stored:
-                part = self.engine.kv_layout.full_part(out.kv_blocks[0])
-                self.index.publish_stored(stored, req.traffic_class, part.numel() * part.element_size(),
-                                          self.block_size)
+            self._announce(stored, req.traffic_class, out.kv_blocks)
         except Exception as e:
             log.warning("kv_store_failed", request_id=req.request_id, error=str(e))
 
