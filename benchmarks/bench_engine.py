@@ -82,7 +82,8 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from deepinfer.engine.interface import EngineConfig
+    from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.models.convert import ensure_default_model
     from deepinfer.protocol import SamplingParams
 

@@ -40,7 +40,8 @@ import torch
 
 from deepinfer.balancer.eplb import keep_slots, rebalance_experts
 from deepinfer.balancer.tracker import BalancerConfig, ExpertLoad
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import ExpertStats, SamplingParams
 

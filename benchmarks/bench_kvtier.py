@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.kvstore import AsyncBlockStore, BlockStore, block_hashes
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams

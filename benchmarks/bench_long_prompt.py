@@ -28,7 +28,8 @@ def prompt_ids(model_dir: str, n: int) -> list[int]:
 
 
 def engine_run(model_dir: str, ids: list[int], dtype: str) -> None:
-    from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from deepinfer.engine.interface import EngineConfig
+    from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.protocol import SamplingParams
 
     engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=(len(ids) // 1000 + 2) * (64 << 20), dtype=dtype,

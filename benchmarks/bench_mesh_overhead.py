@@ -39,7 +39,7 @@ from deepinfer.bench.datasets import random_sessions  # noqa: E402
 from deepinfer.cli import DEFAULT_MODE  # noqa: E402
 from deepinfer.engine.args import add_engine_args, engine_config  # noqa: E402
 from deepinfer.engine.llm_engine import LLMEngine  # noqa: E402
-from deepinfer.engine.worker import service_parser  # noqa: E402
+from deepinfer.engine_worker.base import service_parser  # noqa: E402
 from deepinfer.launcher import Mesh  # noqa: E402
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model  # noqa: E402
 from deepinfer.protocol import SamplingParams  # noqa: E402

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.interface import EngineConfig
 from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.launcher import Mesh
 from deepinfer.mesh import MeshClient

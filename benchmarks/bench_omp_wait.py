@@ -27,7 +27,8 @@ import time
 
 ENGINE = r"""
 import time
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams
 engine = LLMEngine(ensure_default_model(progress=False), EngineConfig(kv_cache_bytes=64 << 20,

@@ -48,7 +48,8 @@ import time
 
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.spec_decode import SpecConfig
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-import deepinfer.engine.llm_engine as llm_engine
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+import deepinfer.engine.engine_core as engine_core
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kvstore import BlockStore, block_hashes
 from deepinfer.models.convert import ensure_gemma3_270m
@@ -83,12 +84,12 @@ class Recorder:
         return result
 
 
-REAL_SAMPLE = llm_engine.sample
+REAL_SAMPLE = engine_core.sample
 
 
 def generate(engine: LLMEngine, ids: list[int], mode: str | None, recorder: Recorder) -> dict:
     """Greedy ``NEW_TOKENS`` tokens; the prefill's token-forwards and wall time, the path, the tokens."""
-    llm_engine.sample = recorder
+    engine_core.sample = recorder
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, swa_replay=mode)
         before = engine.num_computed_tokens_total
@@ -104,7 +105,7 @@ def generate(engine: LLMEngine, ids: list[int], mode: str | None, recorder: Reco
                     forwards = engine.num_computed_tokens_total - before
                 tokens += o.new_token_ids
     finally:
-        llm_engine.sample = REAL_SAMPLE
+        engine_core.sample = REAL_SAMPLE
     return {"forwards": forwards, "seconds": prefill_s, "cpu": prefill_cpu, "path": first.prefix_path, "tokens": tokens,
             "replayed": first.num_replayed_tokens}
 

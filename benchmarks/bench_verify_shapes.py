@@ -21,7 +21,8 @@ import random
 import statistics
 import time
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.convert import resolve_model
 from deepinfer.protocol import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_engine, run_json, write_json
 from texts import TEXT_A, TEXT_B, TEXT_C
 
-from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.interface import EngineConfig
 from deepinfer.engine.spec_decode import SpecConfig
 from deepinfer.engine.vllm_engine import UnsupportedOnVllm, VllmEngine, unsupported
 from deepinfer.kvstore.hashing import block_hashes, model_fingerprint

@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--kv-root")
     ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
-    from deepinfer.engine.llm_engine import EngineConfig
+    from deepinfer.engine.interface import EngineConfig
     from deepinfer.engine.vllm_engine import VllmEngine
     from deepinfer.protocol import SamplingParams
 

@@ -1,12 +1,14 @@
-"""Command-line options of engine workers (prefill, decode) -> ``EngineConfig`` (+ ``MockConfig``)."""
+"""Command-line options of engine workers (prefill, decode) -> ``EngineConfig`` (+ ``MockConfig``) and
+the engine they name (``build_engine``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from deepinfer.engine.llm_engine import EngineConfig
-from deepinfer.engine.mock import DEFAULT_COST, MockConfig, load_cost_file, parse_cost
+from deepinfer.engine.interface import Engine, EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.engine.mock import DEFAULT_COST, MockConfig, MockEngine, load_cost_file, parse_cost
 from deepinfer.engine.spec_decode import SpecConfig
 
 
@@ -125,3 +127,27 @@ def engine_config(args, prefill_only: bool) -> EngineConfig:
         speculative=None if prefill_only or args.speculative == "none" else SpecConfig(
             args.speculative, args.num_speculative_tokens, args.spec_verify, draft_layers=args.draft_layers),
     )
+
+
+def refusals(backend: str, config: EngineConfig, model_dir: str) -> list[str]:
+    """Why ``backend`` (``--engine``) cannot run ``config`` (every reason; [] when it can): mesh
+    features vLLM lacks are refused at start-up, never ignored (``vllm_engine.unsupported``)."""
+    if backend != "vllm":
+        return []
+    from deepinfer.engine.vllm_engine import unsupported  # vllm is an optional extra (deepinfer[vllm])
+
+    return unsupported(config, model_dir)
+
+
+def build_engine(backend: str, model_dir: str, config: EngineConfig, kv_root: str | None = None,
+                 mock: MockConfig | None = None) -> Engine:
+    """The engine ``backend`` (``--engine``) names: ``LLMEngine`` ("native"), ``MockEngine`` ("mock", or
+    any backend given a ``mock`` config) or ``VllmEngine`` ("vllm", its KV connector rooted at
+    ``kv_root``). Raises what their constructors raise (ValueError, ``vllm_engine.UnsupportedOnVllm``)."""
+    if mock is not None or backend == "mock":
+        return MockEngine(model_dir, config, mock)
+    if backend == "vllm":
+        from deepinfer.engine.vllm_engine import VllmEngine  # vllm is an optional extra (deepinfer[vllm])
+
+        return VllmEngine(model_dir, config, kv_root)
+    return LLMEngine(model_dir, config)

@@ -19,7 +19,8 @@ import queue
 import threading
 from typing import Callable
 
-from deepinfer.engine.llm_engine import LLMEngine, StepOutput
+from deepinfer.engine.interface import StepOutput
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)

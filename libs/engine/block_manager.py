@@ -158,6 +158,21 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def take_free_blocks(self, n: int) -> list[int]:
+        """Pop ``n`` LRU free blocks (evicting their hashes) for KV about to be written into them
+        from outside a sequence (a prefix loaded from the storage tier); ``publish_cached`` then
+        hands them to the prefix cache. Raises KeyError when fewer than ``n`` are free."""
+        return [self._take_free() for _ in range(n)]
+
+    def publish_cached(self, block_ids: list[int], hashes: list[str]) -> None:
+        """Blocks from ``take_free_blocks``, now holding the KV of the prefix blocks ``hashes``:
+        cached under those hashes, unreferenced, at the free queue's tail (the first evicted last
+        among them is the earliest block)."""
+        for block_id, block_hash in zip(block_ids, hashes):
+            self.blocks[block_id].block_hash = block_hash
+            self.cached[block_hash] = block_id
+            self._release(block_id)
+
     def _take_hit(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

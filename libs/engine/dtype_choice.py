@@ -33,6 +33,7 @@ cache stay bf16), so it is taken wherever its 1-row pass is faster at all.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -43,8 +44,12 @@ from typing import Callable
 import torch
 
 from deepinfer import probe_cache
+from deepinfer.kernels import cpu_gemv
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import Linear, bf16_gemm_supported
+from deepinfer.telemetry import get_logger
+
+log = get_logger(__name__)
 
 PROBE_ROWS = (1, 16, 256)  # decode, a speculative verify step, a prefill chunk
 # bf16 only when clearly faster: workers of one mesh time the probe apart (on shared cores), and a
@@ -217,3 +222,40 @@ def _time_linear_pass(layers: list[Linear], m: int, bf16: bool, repeats: int) ->
     finally:
         for layer, rows in zip(layers, saved):
             layer.bf16w_max_rows = rows
+
+
+@torch.inference_mode()
+def apply_bf16_weights(model: torch.nn.Module, linears: list[Linear], dtype: str) -> tuple[Bf16WeightsChoice | None, str]:
+    """Let decode-sized steps read the linear weights as bf16 through ``kernels.cpu_gemv`` where the
+    start-up probe times them faster (``choose_bf16_weight_rows``): asked for ("bfloat16-weights":
+    the weights are rounded already); tried under ``--dtype auto`` when it kept fp32 (the weights
+    are then rounded in place once chosen, tied weights staying tied, and the dtype becomes
+    "bfloat16-weights"); for a bf16 model, against oneDNN's bf16 GEMM (the weights as they are).
+    Logged as ``bf16 weights chosen``. Returns the choice (None: no kernel here) and the dtype."""
+    if not all([layer.keep_bf16_weight() for layer in linears]):
+        for layer in linears:
+            layer.weight_bf16 = layer.bias_f32 = None
+        log.info("bf16 weights chosen", bf16_weights_max_rows=0,
+                 reason=f"no bf16-weights kernel here: {cpu_gemv.unavailable_reason() or 'not a CPU model'}")
+        return None, dtype
+    time_pass = functools.partial(time_linear_pass, linears)
+    choice = (choose_bf16_weight_rows(time_pass, baseline="bf16 GEMM", first_max_ratio=1.0)
+              if dtype == "bfloat16" else choose_bf16_weight_rows(time_pass))
+    log.info("bf16 weights chosen", **choice.log_fields())
+    if not choice.max_rows:
+        for layer in linears:
+            layer.weight_bf16 = layer.bias_f32 = None
+        return choice, dtype
+    if dtype == "float32":
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(torch.bfloat16))
+        for layer in linears:
+            if layer.packed is not None:
+                layer.pack()  # of the rounded values
+        dtype = "bfloat16-weights"
+    for layer in linears:
+        layer.bf16w_max_rows = choice.max_rows
+        if layer.packed_max_rows <= choice.max_rows:
+            layer.packed = None  # every step it would serve reads the bf16 weights: its memory back
+    return choice, dtype

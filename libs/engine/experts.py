@@ -1,7 +1,7 @@
 """A worker's side of expert load balancing: report routed tokens, apply placements.
 
 Only for MoE models (``models.moe.MoECounters``); a dense model's worker runs none of it.
-Lifecycle, in an engine worker (``engine.worker.EngineWorker``):
+Lifecycle, in an engine worker (``engine_worker.base.EngineWorker``):
 
   1. Start: the MoE layers are split over ``--ep-ranks`` EP ranks (the identity
      placement: slot e holds expert e); the worker subscribes to

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from deepinfer.engine.async_engine import AsyncEngine
-    from deepinfer.engine.llm_engine import StepOutput
+    from deepinfer.engine.interface import StepOutput
     from deepinfer.kvstore import AsyncBlockStore, BlockStore, KVIndexClient
     from deepinfer.protocol import DecodeRequest, PrefillRequest
 

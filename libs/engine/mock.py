@@ -69,7 +69,9 @@ import torch
 
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError, _Step
+from deepinfer.engine.interface import EngineConfig, RequestError
+from deepinfer.engine.engine_core import _Step
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.sampler import SampleResult, TokenLogprobs
 from deepinfer.engine.sequence import Sequence, SequenceStatus
@@ -77,7 +79,7 @@ from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import DTYPES
 
-# Fitted by ``LLMEngine.calibrate`` on SmolLM2-135M-Instruct, fp32, packed weights, the
+# Fitted by ``LLMEngine.calibrate`` (``engine.calibration``) on SmolLM2-135M-Instruct, fp32, packed weights, the
 # 2-core development CPU: a (s/step), b (s/token), d (s/token pair), e (s/key gathered).
 DEFAULT_COST = (0.0116, 1.10e-3, 3.16e-7, 3.05e-5)
 
@@ -244,14 +246,14 @@ class MockEngine(LLMEngine):
         self.block_bytes = ModelRunner.block_bytes(  # modelled ("auto": fp32)
             real, config.block_size, DTYPES.get(config.dtype, torch.float32))
         num_blocks = max(2, config.kv_cache_bytes // self.block_bytes)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.fingerprint,
-                                          config.enable_prefix_caching)
-        self.swa_cache = None  # no window layers: a hybrid model is mocked as full attention
         self.runner = MockRunner(config.block_size, num_blocks, allowed_tokens(model_dir, real),
                                  real.eos_token_ids, mock.eos_rate)
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.timing = StepCostModel(*mock.cost)
-        self._init_scheduling(real.eos_token_ids)
+        # no window layers, so no SWA state cache: a hybrid model is mocked as full attention
+        self._init_scheduling(BlockManager(num_blocks, config.block_size, self.fingerprint,
+                                           config.enable_prefix_caching), None, real.eos_token_ids)
+        if config.calibrate:
+            self.calibrate()
 
     def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),
                       sampling=None) -> None:

@@ -128,6 +128,15 @@ class Sequence:
         """Prefix tokens fed again by a bounded replay (0 without one)."""
         return self.replay_end - self.replay_start
 
+    @property
+    def feeds_missing_image_rows(self) -> bool:
+        """Whether the scheduled tokens include an image's placeholder rows whose embeddings this
+        engine lacks (a decode worker imports a multimodal prompt's KV without them: if
+        preemption dropped that KV, it cannot be recomputed here)."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens
+        return (bool(self.images) and self.image_embeds is None
+                and any(max(start, o) < min(end, o + n) for o, n, _ in self.images))
+
     def reset_kv_state(self) -> None:
         """Forget everything about KV this sequence held (its blocks were freed)."""
         self.num_computed_tokens = 0

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from llguidance import LLMatcher, LLTokenizer
 
+from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.telemetry import get_logger
 
 # NOTE: torch is imported inside the bitmask functions: the gateway validates specs with this
@@ -427,3 +428,26 @@ def _tokenizer_size(model_dir: Path) -> int:
     ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
     ids += [t.get("id", -1) for t in data.get("added_tokens", [])]
     return max(ids, default=-1) + 1
+
+
+def advance_matchers(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
+    """After a step's tokens were applied: each running sequence's matcher consumes the output
+    tokens appended since it last did (``matcher.num_tokens`` counts them); a finished
+    sequence's matcher is dropped. Returns the sequences to end and why: "error" for a token the
+    grammar refuses or a grammar that failed to build (a bug, never a silent bad output), "stop"
+    for an ``ignore_eos`` request whose grammar is complete (nothing else may follow)."""
+    ended = []
+    for seq in seqs:
+        m = seq.matcher
+        if m is None:
+            continue
+        if seq.status == SequenceStatus.FINISHED:
+            seq.matcher = None
+            continue
+        new = seq.output_token_ids[m.num_tokens:]
+        if new and not m.accept(new):
+            log.error("structured_output_failed", request_id=seq.request_id, error=m.error)
+            ended.append((seq, "error"))
+        elif seq.sampling.ignore_eos and m.is_terminated:  # complete: EOS would not stop it, so stop here
+            ended.append((seq, "stop"))
+    return ended

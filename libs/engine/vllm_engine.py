@@ -29,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from deepinfer.engine.llm_engine import EngineConfig, RequestError, StepOutput
+from deepinfer.engine.interface import EngineConfig, RequestError, StepOutput
 from deepinfer.protocol import SamplingParams
 
 __all__ = ["UnsupportedOnVllm", "VllmEngine", "unsupported", "vllm_sampling"]

@@ -56,8 +56,8 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
-from deepinfer.engine.llm_engine import RequestError, StepOutput
-from deepinfer.engine.worker import EngineWorker
+from deepinfer.engine.interface import RequestError, StepOutput
+from deepinfer.engine_worker.base import EngineWorker
 from deepinfer.kvstore import KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects

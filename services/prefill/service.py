@@ -57,8 +57,8 @@ import time
 import structlog
 from opentelemetry import context as otel_context
 
-from deepinfer.engine.llm_engine import RequestError, StepOutput
-from deepinfer.engine.worker import EngineWorker
+from deepinfer.engine.interface import RequestError, StepOutput
+from deepinfer.engine_worker.base import EngineWorker
 from deepinfer.kvstore import AsyncBlockStore, KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.mesh import MeshError, RequestTimeout

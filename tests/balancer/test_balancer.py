@@ -13,7 +13,7 @@ from deepinfer.balancer.service import BalancerService
 from deepinfer.balancer.tracker import BalancerConfig, ExpertLoad
 from deepinfer.decode.service import DecodeService
 from deepinfer.engine.experts import model_id
-from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.interface import EngineConfig
 from deepinfer.mesh import MeshClient
 from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import (BalancerStatus, BalancerStatusRequest, DecodeRequest, ExpertPlacementUpdate,

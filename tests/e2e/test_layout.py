@@ -52,16 +52,17 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer")
+SERVICES = ("gateway", "tokenizer", "prefill", "decode", "vision", "kvindex", "balancer", "engine_worker")
 
 
 def test_engine_workers_move_kv_only_through_their_engines_connector():
-    """services/prefill and services/decode name no engine backend and hold no tensor code: KV goes to and
-    from the storage tier through ``engine.kv_connector`` whatever the engine."""
-    for name in ("prefill", "decode"):
+    """No service names an engine backend, and the engine services hold no tensor code: KV goes to and
+    from the storage tier through ``engine.kv_connector`` whatever the engine (``engine.interface``)."""
+    for path in (ROOT / "services").rglob("*.py"):
+        text = path.read_text()
+        assert "engine_kind" not in text and '== "vllm"' not in text, f"{path} branches on the engine"
+    for name in ("prefill", "decode", "engine_worker"):
         for path in (ROOT / "services" / name).glob("*.py"):
-            text = path.read_text()
-            assert "engine_kind" not in text and '"vllm"' not in text, f"{path} branches on the engine"
             assert not {m for m in _imports(path) if m == "torch" or m.startswith("torch.")}, f"{path} imports torch"
 
 
@@ -72,3 +73,37 @@ def test_libs_never_import_the_services():
     for path in (ROOT / "libs").rglob("*.py"):
         bad = {m for m in _imports(path) if m in banned or any(m.startswith(b + ".") for b in banned)}
         assert not bad, f"{path} imports {sorted(bad)}"
+
+
+def _private_methods(path: Path, classes: set[str]) -> set[str]:
+    """The ``_name`` methods the named classes of a module define."""
+    import ast
+
+    tree = ast.parse(path.read_text(), str(path))
+    return {f.name for c in tree.body if isinstance(c, ast.ClassDef) and c.name in classes
+            for f in c.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")}
+
+
+def test_only_the_kv_cache_manager_touches_block_manager_internals():
+    """The block pools' private methods (``_take_free``, ``_release``, ...) are called only by the block
+    managers themselves: the KV cache manager, the scheduler and the step loop use their public methods."""
+    import ast
+
+    engine = ROOT / "libs" / "engine"
+    owners = {engine / "block_manager.py", engine / "hybrid_blocks.py"}
+    private = (_private_methods(engine / "block_manager.py", {"BlockManager"})
+               | _private_methods(engine / "hybrid_blocks.py", {"WindowBlockManager", "HybridBlockManager"}))
+    assert {"_take_free", "_release"} <= private
+    for path in [*(ROOT / "libs").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
+        if path in owners:
+            continue
+        used = {n.attr for n in ast.walk(ast.parse(path.read_text(), str(path)))
+                if isinstance(n, ast.Attribute) and n.attr in private}
+        assert not used, f"{path} calls block-manager internals {sorted(used)}"
+
+
+def test_the_step_loop_module_stays_small():
+    """The engine's step loop (schedule -> execute -> update) is one short module; building an engine,
+    sizing the KV cache and the start-up timings live beside it."""
+    lines = (ROOT / "libs" / "engine" / "engine_core.py").read_text().count("\n")
+    assert lines <= 280, f"engine_core.py has {lines} lines"

@@ -5,9 +5,10 @@ builds, and greedy output against ``transformers`` in fp32 on the same rounded w
 import pytest
 import torch
 
-from deepinfer.engine import dtype_choice, llm_engine
+from deepinfer.engine import dtype_choice
 from deepinfer.engine.dtype_choice import Bf16WeightsChoice, choose_bf16_weight_rows
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.kernels import cpu_gemv
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.models.layers import Linear
@@ -68,7 +69,7 @@ def test_an_explicit_bf16_weights_dtype_is_kept_and_refused_in_batch_invariant_m
 def _auto_engine(model_dir, monkeypatch, max_rows: int) -> LLMEngine:
     """An ``auto`` engine on a CPU without bf16 GEMMs whose bf16-weights probe gives ``max_rows``."""
     monkeypatch.setattr(dtype_choice, "bf16_gemm_supported", lambda: False)
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(max_rows, "fake"))
+    monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(max_rows, "fake"))
     return LLMEngine(model_dir, EngineConfig(dtype="auto", kv_cache_bytes=32 << 20, calibrate=False,
                                              single_thread_max_tokens=0))
 
@@ -112,7 +113,7 @@ def test_bf16_weights_greedy_equals_transformers_fp32_on_the_rounded_weights(mod
         return kernel(*a, **k)
 
     monkeypatch.setattr(cpu_gemv, "linear_bf16w", counted)
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(16, "forced"))
+    monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows", lambda _time: Bf16WeightsChoice(16, "forced"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():

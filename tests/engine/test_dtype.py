@@ -4,9 +4,10 @@ engine it builds, and bf16 greedy output against ``transformers`` in bf16 on the
 import pytest
 import torch
 
-from deepinfer.engine import dtype_choice, llm_engine
+from deepinfer.engine import dtype_choice
 from deepinfer.engine.dtype_choice import PROBE_ROWS, Bf16WeightsChoice, choose_dtype, linear_shapes, time_linears
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.kernels import cpu_gemv
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
@@ -96,7 +97,7 @@ def test_engine_resolves_auto_and_keys_its_kv_by_the_chosen_dtype(model_dir, mon
     """The engine builds what the choice says (weights, KV cache, fingerprint), for each branch."""
     fp = {}
     # (auto's third branch, bf16 weights when fp32 is kept, has its own tests: test_bf16_weights.py)
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _time, **_: Bf16WeightsChoice(0, "fake"))
+    monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows", lambda _time, **_: Bf16WeightsChoice(0, "fake"))
     for factor, want, torch_dtype in ((0.5, "bfloat16", torch.bfloat16), (2.0, "float32", torch.float32)):
         monkeypatch.setattr(dtype_choice, "time_linears", fake_probe(factor))
         monkeypatch.setattr(dtype_choice, "bf16_gemm_supported", lambda: True)
@@ -162,7 +163,7 @@ def test_a_bf16_engine_reads_its_weights_through_the_kernel_where_the_probe_says
     the dtype and KV cache stay bf16; not chosen, nothing is kept. Batch-invariant mode never asks."""
     asked = []
     for rows in (8, 0):
-        monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows",
+        monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows",
                             lambda _time, rows=rows, **kw: asked.append(kw) or Bf16WeightsChoice(rows, "fake"))
         engine = LLMEngine(model_dir, EngineConfig(dtype="bfloat16", kv_cache_bytes=16 << 20))
         assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
@@ -208,7 +209,7 @@ def test_bf16_greedy_agrees_with_transformers_in_bf16(model_dir, bf16_prompts_an
     from there: the agreement is reported, and pinned loosely (every first token equal, most
     tokens in common prefixes)."""
     prompts, refs = bf16_prompts_and_refs
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(kernel_rows, "forced"))
+    monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(kernel_rows, "forced"))
     calls = []
     kernel = cpu_gemv.linear_bf16w
     monkeypatch.setattr(cpu_gemv, "linear_bf16w", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))

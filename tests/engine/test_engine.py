@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from deepinfer.engine.interface import EngineConfig, RequestError
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models.tiny_vlm import make_tiny_llava
 from deepinfer.protocol import SamplingParams
 
@@ -99,7 +100,7 @@ def test_prefix_cache_keys_blocks_by_image(setup):
 
 
 def test_bad_image_arguments(setup):
-    from deepinfer.engine.llm_engine import RequestError
+    from deepinfer.engine.interface import RequestError
 
     path, _, proc = setup
     engine = LLMEngine(path, EngineConfig(block_size=BLOCK, kv_cache_bytes=4 << 20))

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kvstore import BlockStore, block_hashes, model_fingerprint
@@ -387,7 +388,7 @@ async def test_outputs_of_an_aborted_sequence_never_reach_a_new_request_under_th
     import threading
 
     from deepinfer.engine.async_engine import AsyncEngine
-    from deepinfer.engine.llm_engine import StepOutput
+    from deepinfer.engine.interface import StepOutput
 
     class Stepper:  # one sequence per id; step() waits for ``go`` and emits the sequence's marker
         config = EngineConfig(async_scheduling=False)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from deepinfer import probe_cache
-from deepinfer.engine import llm_engine
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine import calibration
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models import layers
 from deepinfer.models.convert import ensure_default_model
 
@@ -85,10 +86,10 @@ def test_an_engine_started_on_a_warm_cache_times_nothing_and_chooses_the_same(ca
 
     def fake_timers(seconds_per_token: float, rows: int):
         timed = []
-        monkeypatch.setattr(LLMEngine, "_time_dummy_step", lambda self, pieces, threads=None: timed.append(pieces)
+        monkeypatch.setattr(calibration, "time_dummy_step", lambda engine, pieces, threads=None: timed.append(pieces)
                             or seconds_per_token * sum(n + c / 64 for n, c in pieces) * (1.5 if threads == 1 else 1))
         monkeypatch.setattr(layers, "_measure_crossover", lambda layer, grid: timed.append(layer) or rows)
-        monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})  # as in a new process
+        monkeypatch.setattr(calibration, "_STEP_THREADS", {})  # as in a new process
         monkeypatch.setattr(layers, "_PACKED_ROWS", {})
         return timed
 

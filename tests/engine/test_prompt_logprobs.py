@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from deepinfer.engine.interface import EngineConfig, RequestError
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.mock import MockConfig, MockEngine
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import SamplingParams

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.spec_decode import (MIN_DECODE_STEPS, AcceptanceCalibrator, Draft, NgramIndex, SpecConfig,
                                           SpecDecoder)

@@ -4,8 +4,9 @@ applying it per step, and greedy output that does not depend on it."""
 import pytest
 import torch
 
-from deepinfer.engine import llm_engine
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine import calibration
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.step_threads import PROBE_TOKENS, StepThreads, choose_step_threads
 from deepinfer.models.convert import ensure_default_model
 
@@ -86,8 +87,8 @@ def test_engine_times_the_choice_once_per_process(model_dir, monkeypatch):
         calls.append(time_step(1, 1) > 0)  # the engine's dummy step runs
         return StepThreads(max_threads, 1, reason="fake")
 
-    monkeypatch.setattr(llm_engine, "choose_step_threads", fake_choose)
-    monkeypatch.setattr(llm_engine, "_STEP_THREADS", {})
+    monkeypatch.setattr(calibration, "choose_step_threads", fake_choose)
+    monkeypatch.setattr(calibration, "_STEP_THREADS", {})
     first = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, num_threads=2))
     second = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=64 << 20, num_threads=2))
     assert calls == [True] and first.step_threads is second.step_threads

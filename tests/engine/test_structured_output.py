@@ -15,7 +15,8 @@ import openai
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from deepinfer.engine.interface import EngineConfig, RequestError
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sampler import sample
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import (GrammarCompiler, StructuredOutputError, allocate_bitmask, apply_bitmask,

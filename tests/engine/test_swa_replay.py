@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from deepinfer.engine.kv_layout import KVLayout
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from deepinfer.engine.interface import EngineConfig, RequestError
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.swa_cache import SWAStateCache
 from deepinfer.kernels.attention import build_metadata
 from deepinfer.kvstore import BlockStore, block_hashes, ephemeral_key
@@ -156,7 +157,7 @@ def test_window_state_from_the_swa_cache_gives_the_cold_runs_tokens(interleaved,
     assert b.swa_cache.hits == 2
     colocated = engine(path)
     load_from_store(colocated, store, hashes)
-    colocated.swa_cache = b.swa_cache  # the same host cache, on an engine that decodes too
+    colocated.kv.swa_cache = b.swa_cache  # the same host cache, on an engine that decodes too
     colocated.block_manager.swa_cache = b.swa_cache
     tokens, first = run(colocated, "turn-2", p3)
     assert first.prefix_path == "swa_cache"

@@ -287,7 +287,7 @@ def test_queued_prefill_counts_chunks_in_flight_so_a_busy_worker_never_reads_idl
     import threading
     import time
 
-    from deepinfer.engine.llm_engine import EngineConfig
+    from deepinfer.engine.interface import EngineConfig
     from deepinfer.engine.mock import MockConfig, MockEngine
     from deepinfer.models.convert import ensure_default_model
 
@@ -676,7 +676,7 @@ async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attem
     may land on the same worker and must be taken; an abort of any attempt drops the request."""
     from types import SimpleNamespace
 
-    from deepinfer.engine.llm_engine import EngineConfig
+    from deepinfer.engine.interface import EngineConfig
     from deepinfer.engine.mock import MockConfig
     from deepinfer.models.convert import ensure_default_model
     from deepinfer.prefill.service import PrefillService

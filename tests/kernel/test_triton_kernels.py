@@ -327,7 +327,8 @@ def tiny_gpt_oss(tmp_path_factory):
 @pytest.mark.skipif(CUDA, reason="the engine runs on the CPU: its Triton path there needs TRITON_INTERPRET=1 "
                                   "(scripts/gpu_check.sh runs this test so)")
 def test_engine_greedy_output_identical_on_torch_and_triton_kernels(tiny_gpt_oss):
-    from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+    from deepinfer.engine.interface import EngineConfig
+    from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.models.layers import Attention
 
     from model_helpers import engine_greedy, prompts

@@ -3,7 +3,8 @@
 import pytest
 
 from deepinfer.engine.args import add_engine_args, engine_config, mock_config
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.mock import MockConfig
 from deepinfer.mesh.args import service_parser
 from deepinfer.models.convert import ensure_default_model

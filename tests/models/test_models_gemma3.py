@@ -10,7 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.kernels.attention import build_metadata
 from deepinfer.protocol import SamplingParams
 from model_helpers import save_tiny, prompts, hf_greedy, hf_greedy_uncached, engine_greedy

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.kernels.attention import build_metadata
 from deepinfer.models.config import ModelConfig

@@ -5,7 +5,8 @@ GPT-OSS (attention sinks, sliding/full layers with an 8-token window, YaRN RoPE,
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.models.moe import SparseMoeBlock
 from model_helpers import save_tiny, prompts, hf_greedy, engine_greedy
 

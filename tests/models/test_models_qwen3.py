@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from model_helpers import save_tiny, prompts, hf_greedy, engine_greedy
 
 NEW_TOKENS = 12

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from deepinfer.balancer.eplb import rebalance_experts
-from deepinfer.engine import llm_engine
+from deepinfer.engine import dtype_choice
 from deepinfer.engine.dtype_choice import Bf16WeightsChoice
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine
+from deepinfer.engine.interface import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.kernels import cpu_gemv
 from deepinfer.models.layers import Linear
 from deepinfer.engine.sequence import Sequence
@@ -119,7 +120,7 @@ def test_bf16_weight_copies_follow_the_experts_a_placement_moves(model_dir, monk
     """bfloat16-weights: small steps read bf16 copies of the weights (``Linear.weight_bf16``); a
     placement that moves experts between slots (or adds slots) renews them, so every slot's copy
     holds its new expert and the logits stay those of the unmoved model."""
-    monkeypatch.setattr(llm_engine, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(512, "forced"))
+    monkeypatch.setattr(dtype_choice, "choose_bf16_weight_rows", lambda _t, **_: Bf16WeightsChoice(512, "forced"))
     engine = LLMEngine(model_dir, EngineConfig(block_size=8, kv_cache_bytes=4 << 20, dtype="bfloat16-weights",
                                                enable_prefix_caching=False))
     model = engine.model

@@ -19,7 +19,7 @@ import asyncio
 import pytest
 
 from deepinfer.decode.service import DecodeService
-from deepinfer.engine.llm_engine import EngineConfig
+from deepinfer.engine.interface import EngineConfig
 from deepinfer.engine.mock import MockConfig
 from deepinfer.launcher import start_nats
 from deepinfer.mesh import MeshClient, NoResponders, RequestTimeout

@@ -1,4 +1,5 @@
-"""Base of the engine workers (prefill, decode): an ``LLMEngine`` on its thread inside a mesh ``Service``.
+"""Base of the engine workers (prefill, decode): an engine (``engine.interface.Engine``) on its thread
+inside a mesh ``Service``.
 
 It owns what both workers share: the engine (``LLMEngine``, ``MockEngine``
 with ``--engine mock``, or ``VllmEngine`` with ``--engine vllm``) and its thread, the storage-tier
@@ -15,11 +16,11 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.engine.args import add_engine_args, engine_config, mock_config
+from deepinfer.engine.args import add_engine_args, build_engine, engine_config, mock_config, refusals
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.experts import ExpertLink, add_expert_args, is_moe, model_id
-from deepinfer.engine.llm_engine import EngineConfig, LLMEngine, StepOutput
-from deepinfer.engine.mock import MockConfig, MockEngine
+from deepinfer.engine.interface import Engine, EngineConfig, StepOutput
+from deepinfer.engine.mock import MockConfig
 from deepinfer.kernels import select as kernel_select
 from deepinfer.kvstore import BlockStore
 from deepinfer.kvstore.index_client import KVIndexClient
@@ -36,15 +37,9 @@ class EngineWorker(Service):
 
     def __init__(self, nats_url: str, model_dir: str, engine_cfg: EngineConfig, kv_root: str,
                  worker_id: str | None = None, mock: MockConfig | None = None, heartbeat_s: float = 1.0,
-                 expert_stats_s: float = 5.0, ep_ranks: int = 1, engine_kind: str = "native"):
+                 expert_stats_s: float = 5.0, ep_ranks: int = 1, backend: str = "native"):
         super().__init__(nats_url, worker_id, heartbeat_s)
-        if engine_kind == "vllm":  # NOTE: imported here: vllm is an optional extra (deepinfer[vllm])
-            from deepinfer.engine.vllm_engine import VllmEngine
-
-            self.engine = VllmEngine(model_dir, engine_cfg, kv_root)
-        else:
-            self.engine = (LLMEngine(model_dir, engine_cfg) if mock is None
-                           else MockEngine(model_dir, engine_cfg, mock))
+        self.engine: Engine = build_engine(backend, model_dir, engine_cfg, kv_root, mock)
         self.experts = (ExpertLink(self.engine, model_id(model_dir), self.worker_id, self.role, expert_stats_s,
                                    ep_ranks) if is_moe(self.engine) else None)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
@@ -121,13 +116,10 @@ class EngineWorker(Service):
         except ValueError as e:
             p.error(str(e))
         model_dir, cfg = str(resolve_model(args.model)), engine_config(args, prefill_only=cls.prefill_only)
-        if args.engine == "vllm":  # mesh features vLLM lacks: refused here, never ignored
-            from deepinfer.engine.vllm_engine import unsupported
-
-            why = unsupported(cfg, model_dir)
-            if why:
-                p.error("not available on --engine vllm: " + "; ".join(why))
+        why = refusals(args.engine, cfg, model_dir)  # mesh features a backend lacks: refused, never ignored
+        if why:
+            p.error(f"not available on --engine {args.engine}: " + "; ".join(why))
         svc = cls(args.nats, model_dir, cfg, args.kv_root, args.worker_id, mock=mock_config(args),
                   heartbeat_s=args.heartbeat_s, expert_stats_s=args.expert_stats_s, ep_ranks=args.ep_ranks,
-                  engine_kind=args.engine)
+                  backend=args.engine)
         run_service(svc, args.log_level, metrics_port=args.metrics_port)
