@@ -64,7 +64,9 @@ async def workers(nats_url):  # noqa: F811
 
 @pytest_asyncio.fixture(scope="module")
 async def gateway(nats_url, workers, redis_url):  # noqa: F811
-    async with ConfiguredGateway(nats_url, redis_url=redis_url) as gw:
+    # a 960 KB prompt takes ~1 s to render and encode alone, here in the test's own process beside the
+    # gateway; on a loaded 2-core host that passed 10 s (the tokenizer timeout is not what this tests)
+    async with ConfiguredGateway(nats_url, redis_url=redis_url, tokenizer_timeout_s=45.0) as gw:
         async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
             deadline = time.monotonic() + 5
             while (await client.get("/health")).status_code != 200:
