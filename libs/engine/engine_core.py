@@ -24,7 +24,7 @@ import torch
 from deepinfer.engine.interface import StepOutput
 from deepinfer.engine.model_runner import StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import RequestStatus, Sequence
 from deepinfer.engine.structured import advance_matchers
 from deepinfer.telemetry import get_logger
 
@@ -95,7 +95,7 @@ class EngineCore:
             seq.num_inflight_steps = seq.num_inflight_tokens = 0
             if seq.block_table:
                 self.kv.block_manager.free(seq)
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+            seq.status = RequestStatus.FINISHED_ERROR
             seq.matcher = None
             self.generators.pop(seq.request_id, None)
         return list(seqs.values())
@@ -165,7 +165,7 @@ class EngineCore:
         seqs = []
         for seq in self.scheduler.schedule(can_preempt):
             if seq.feeds_missing_image_rows:  # ends alone, instead of failing the step
-                self._end(seq, "error")
+                self._end(seq, RequestStatus.FINISHED_ERROR)
                 self._failed.append(StepOutput(seq.request_id, [], "error", seq.num_prompt_tokens))
                 log.error("image_rows_without_embeddings", request_id=seq.request_id)
             else:
@@ -228,19 +228,19 @@ class EngineCore:
         if step in self._launched:
             self._launched.remove(step)
 
-    def _end(self, seq: Sequence, reason: str) -> None:
+    def _end(self, seq: Sequence, status: RequestStatus) -> None:
         """End a request outside the step's own stop checks (its blocks are freed unless a
         launched step holds them)."""
         self.scheduler.abort(seq.request_id)
         self.generators.pop(seq.request_id, None)
-        seq.finish_reason, seq.matcher = reason, None
+        seq.status, seq.matcher = status, None
 
     def _finish(self, step: _Step, result: SampleResult) -> list[StepOutput]:
         """Apply a step's sampled tokens; outputs for sequences still live; free finished ones.
         (The step leaves ``_launched`` only at the end: if this raises, ``fail_all`` finds it.)"""
         sampled = dict(zip(step.sampling, result.token_ids))
         logprobs = dict(zip(step.sampling, result.logprobs))
-        live = {i for i in sampled if step.seqs[i].status != SequenceStatus.FINISHED}
+        live = {i for i in sampled if not step.seqs[i].status.is_finished}
         for seq, first, entries in result.prompt_logprobs:
             if seq.prompt_logprobs is not None:  # (None: aborted meanwhile)
                 seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
@@ -254,7 +254,7 @@ class EngineCore:
                 seq.chunk_times.append((step.started, step.ended, step.pieces[i][0]))
             if i in live:
                 outputs.append(self._output(seq, sampled[i], logprobs[i], id(seq) in finished))
-            if seq.status == SequenceStatus.FINISHED and not seq.num_inflight_steps and seq.block_table:
+            if seq.status.is_finished and not seq.num_inflight_steps and seq.block_table:
                 self.kv.free(seq)
                 self.generators.pop(seq.request_id, None)
         self._forget_launched(step)

@@ -34,7 +34,7 @@ from deepinfer.engine.kv_connector import TierConnector
 from deepinfer.engine.kv_layout import KVLayout
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import RequestStatus, Sequence
 from deepinfer.engine.spec_decode import SpecDecoder
 from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
 from deepinfer.kernels import cpu_gemv
@@ -204,7 +204,7 @@ class LLMEngine(EngineCore):
                 raise RequestError("KV blocks do not cover num_kv_tokens")
             seq.num_computed_tokens = num_kv_tokens
             if self.kv.import_request_kv(seq, kv_blocks, num_exact_tokens):
-                seq.status = SequenceStatus.RUNNING
+                seq.status = RequestStatus.RUNNING
             else:  # no room now -> recompute from tokens when blocks free up
                 seq.num_computed_tokens = 0
         if sampling.structured is not None:  # its grammar compiles on a pool thread meanwhile
@@ -322,12 +322,12 @@ class LLMEngine(EngineCore):
         for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
             total, c = len(seq), seq.num_computed_tokens
             reads_cache = bm.enable_prefix_caching and seq.prompt_logprobs is None
-            if seq.status == SequenceStatus.WAITING and not c and reads_cache:
+            if seq.status == RequestStatus.WAITING and not c and reads_cache:
                 hashes = seq.block_hashes[: max(0, (total - 1) // bm.block_size)]
                 hits = next((i for i, h in enumerate(hashes) if h not in bm.cached), len(hashes))
                 c = hits * bm.block_size
             n = total - c
-            if n <= 1 and seq.status == SequenceStatus.RUNNING:  # decoding: no prefill left
+            if n <= 1 and seq.status == RequestStatus.RUNNING:  # decoding: no prefill left
                 continue
             tokens += n
             seconds += cost.piece_cost(n, c)

@@ -74,7 +74,7 @@ from deepinfer.engine.engine_core import _Step
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.sampler import SampleResult, TokenLogprobs
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import Sequence
 from deepinfer.kvstore.hashing import model_fingerprint
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import DTYPES
@@ -185,7 +185,7 @@ class MockRunner:
             if start > 0:
                 prev = table[(start - 1) // bs] * bs + (start - 1) % bs
                 state = int(flat[0, prev])
-                if int(flat[1, prev]) != seq.token_ids[start - 1] and seq.status != SequenceStatus.FINISHED:
+                if int(flat[1, prev]) != seq.token_ids[start - 1] and not seq.status.is_finished:
                     self.num_kv_mismatches += 1
             tokens = inputs.input_ids[j : j + end - start]
             j += end - start

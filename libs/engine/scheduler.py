@@ -56,7 +56,7 @@ from collections import deque
 
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.cost_model import StepCostModel
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import RequestStatus, Sequence
 
 LONE_BUDGET_FACTOR = 4  # a step with one sequence and nothing else to run: budget x this (``_chunk_time``)
 
@@ -85,7 +85,7 @@ class Scheduler:
         """Queue a sequence. One whose KV was imported (status RUNNING, its blocks held) runs at
         once while fewer than ``max_num_seqs`` do, else waits for a slot in ``waiting``, keeping
         its blocks (``schedule`` moves it to ``running`` when one frees, ahead of new prompts)."""
-        imported = seq.status == SequenceStatus.RUNNING
+        imported = seq.status == RequestStatus.RUNNING
         (self.running if imported and len(self.running) < self.max_num_seqs else self.waiting).append(seq)
 
     def has_unfinished(self) -> bool:
@@ -161,7 +161,7 @@ class Scheduler:
 
         # handoffs that waited for a slot (their KV in place) join the running ones, ahead of new prompts
         if len(self.running) < self.max_num_seqs:
-            for seq in [q for q in self.waiting if q.status == SequenceStatus.RUNNING]:
+            for seq in [q for q in self.waiting if q.status == RequestStatus.RUNNING]:
                 if len(self.running) >= self.max_num_seqs:
                     break
                 self.waiting.remove(seq)
@@ -189,7 +189,7 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status != RequestStatus.RUNNING:
                 continue
             bm.allocate(seq, seq.num_computed_tokens + n)
             self._take(seq, n, scheduled)
@@ -217,7 +217,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, cached + n, hits)
             bm.record_query(seq)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             self._take(seq, n, scheduled)
             tokens_left -= n
@@ -265,7 +265,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         seq.num_cached_tokens = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -310,24 +310,24 @@ class Scheduler:
             if seq.draft_token_ids:  # positions after the last accepted draft hold rejected KV
                 seq.num_computed_tokens -= len(seq.draft_token_ids) - (len(toks) - 1)
                 seq.draft_token_ids = []
-            if seq.status == SequenceStatus.FINISHED:
+            if seq.status.is_finished:
                 continue
-            sp = seq.sampling
+            sp, ended = seq.sampling, None
             for n, tok in enumerate(toks, 1):
                 seq.token_ids.append(tok)
                 if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                    seq.finish_reason = "stop"
+                    ended = RequestStatus.FINISHED_STOPPED
                 elif seq.num_output_tokens >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                    seq.finish_reason = "length"
+                    ended = RequestStatus.FINISHED_LENGTH_CAPPED
                 elif seq.prefill_only:
-                    seq.finish_reason = "handoff"
-                if seq.finish_reason is not None:
+                    ended = RequestStatus.FINISHED_HANDOFF
+                if ended is not None:
                     if isinstance(token_ids[i], list):
                         del token_ids[i][n:]
                     break
             self.block_manager.cache_computed_blocks(seq)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
+            if ended is not None:
+                seq.status = ended
                 if seq in self.running:
                     self.running.remove(seq)
                 finished.append(seq)
@@ -347,7 +347,6 @@ class Scheduler:
                     q.remove(seq)
                     if not seq.num_inflight_steps:  # else freed when its step is back
                         self.block_manager.free(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    seq.finish_reason = "abort"
+                    seq.status = RequestStatus.FINISHED_ABORTED
                     return seq
         return None

@@ -8,10 +8,26 @@ from dataclasses import dataclass, field
 from deepinfer.protocol import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"    # needs a prefill (new, or preempted: recompute)
-    RUNNING = "running"    # holds KV blocks; decodes one token per step
-    FINISHED = "finished"
+class RequestStatus(enum.Enum):
+    """Where a request is in the engine (vLLM v1's ``RequestStatus``); the finished states say why it
+    ended, and ``finish_reason`` is derived from them (the wire's ``finish_reason`` strings)."""
+
+    WAITING = "waiting"  # needs a prefill (new, or preempted: recompute)
+    RUNNING = "running"  # holds KV blocks; decodes one token per step
+    FINISHED_STOPPED = "stop"  # an EOS or stop token
+    FINISHED_LENGTH_CAPPED = "length"  # max_tokens or the model's max length
+    FINISHED_HANDOFF = "handoff"  # a prefill-only engine's first token: decode continues elsewhere
+    FINISHED_ABORTED = "abort"  # aborted by the caller
+    FINISHED_ERROR = "error"  # ended by the engine: a failed step, a refused grammar token, lost image rows
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value not in ("waiting", "running")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The wire's finish reason ("stop", "length", "handoff", "abort", "error"); None while live."""
+        return self.value if self.is_finished else None
 
 
 @dataclass(eq=False)  # identity: queues test membership / remove by object, not by comparing token lists
@@ -32,12 +48,11 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Hybrid models: the sliding-window layers' blocks (-1 = released, outside the window).
     window_block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
     # Prefill-only engines stop after the first sampled token and hand off.
     prefill_only: bool = False
     # Export the prompt's computed full blocks with the first token sampled here (a worker that
@@ -102,6 +117,11 @@ class Sequence:
     # Prefill-only engines: (start, end) ``time.perf_counter()`` seconds and tokens fed of each
     # step that computed part of the prompt (the prefill worker's trace spans).
     chunk_times: list[tuple[float, float, int]] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the request ended (``RequestStatus.finish_reason``); None while it runs."""
+        return self.status.finish_reason
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_inflight_tokens

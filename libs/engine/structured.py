@@ -43,7 +43,7 @@ from pathlib import Path
 
 from llguidance import LLMatcher, LLTokenizer
 
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import RequestStatus, Sequence
 from deepinfer.telemetry import get_logger
 
 # NOTE: torch is imported inside the bitmask functions: the gateway validates specs with this
@@ -430,7 +430,7 @@ def _tokenizer_size(model_dir: Path) -> int:
     return max(ids, default=-1) + 1
 
 
-def advance_matchers(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
+def advance_matchers(seqs: list[Sequence]) -> list[tuple[Sequence, RequestStatus]]:
     """After a step's tokens were applied: each running sequence's matcher consumes the output
     tokens appended since it last did (``matcher.num_tokens`` counts them); a finished
     sequence's matcher is dropped. Returns the sequences to end and why: "error" for a token the
@@ -441,13 +441,13 @@ def advance_matchers(seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
         m = seq.matcher
         if m is None:
             continue
-        if seq.status == SequenceStatus.FINISHED:
+        if seq.status.is_finished:
             seq.matcher = None
             continue
         new = seq.output_token_ids[m.num_tokens:]
         if new and not m.accept(new):
             log.error("structured_output_failed", request_id=seq.request_id, error=m.error)
-            ended.append((seq, "error"))
+            ended.append((seq, RequestStatus.FINISHED_ERROR))
         elif seq.sampling.ignore_eos and m.is_terminated:  # complete: EOS would not stop it, so stop here
-            ended.append((seq, "stop"))
+            ended.append((seq, RequestStatus.FINISHED_STOPPED))
     return ended

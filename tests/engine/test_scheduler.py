@@ -3,7 +3,7 @@
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.cost_model import StepCostModel
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.sequence import RequestStatus, Sequence
 from deepinfer.protocol import SamplingParams
 
 EOS = 2
@@ -99,7 +99,7 @@ def test_preemption_frees_blocks_and_requeues_for_recompute():
     s.postprocess([a, b], {0: 60, 1: 61})  # both now need a 2nd block; only 0 free
     scheduled = s.schedule()
     assert scheduled == [a]  # b preempted so a can continue
-    assert b.status == SequenceStatus.WAITING and b.block_table == [] and s.waiting[0] is b
+    assert b.status == RequestStatus.WAITING and b.block_table == [] and s.waiting[0] is b
     assert s.num_preemptions == 1
     assert bm.num_free_blocks == 0
 
@@ -188,7 +188,7 @@ def test_at_a_long_context_a_chunk_takes_at_least_the_step_fixed_cost_in_tokens(
     long.num_computed_tokens = 8000  # (as if its earlier chunks ran)
     s.add(other)  # competing: long is not alone, so the plain budget applies
     s.running.append(s.waiting.popleft())
-    long.status = SequenceStatus.RUNNING
+    long.status = RequestStatus.RUNNING
     assert cost.a + cost.e * 8000 > 0.25  # the budget alone would leave min_chunk
     s.schedule()
     n = long.num_scheduled_tokens
@@ -261,10 +261,10 @@ def test_imported_kv_waits_for_a_slot_when_the_batch_is_full_then_decodes():
     b = seq("b", 5, first=40)
     b.num_computed_tokens = 4  # every token but the last, as a handoff brings it
     bm.allocate(b, 5)
-    b.status = SequenceStatus.RUNNING
+    b.status = RequestStatus.RUNNING
     s.add(b)
     assert list(s.waiting) == [b] and list(s.running) == [a] and b.block_table
     assert s.schedule() == [a]  # the batch is full: b keeps waiting, with its blocks
     s.postprocess([a], {0: 9})  # a's second token: max_tokens, it finishes and frees its slot
-    assert a.status == SequenceStatus.FINISHED
+    assert a.status.is_finished
     assert s.schedule() == [b] and b.num_scheduled_tokens == 1 and list(s.running) == [b] and not s.waiting
