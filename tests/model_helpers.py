@@ -47,7 +47,7 @@ def engine_greedy(engine, prompt_ids, n, ignore_eos=True):
 def hf_greedy_uncached(model, ids, n):
     """Greedy continuation recomputing the whole sequence with transformers' forward for
     every token (no KV cache). NOTE: for a tiny Gemma 3 with prompts longer than its
-    sliding window, ``generate`` (with transformers' sliding-window cache) was seen to
+    sliding window, ``pipeline`` (with transformers' sliding-window cache) was seen to
     disagree with transformers' own uncached forward; this is the reference by definition."""
     ids = list(ids)
     with torch.inference_mode():

@@ -1,7 +1,7 @@
 """Gateway: the mesh's OpenAI-compatible HTTP front door.
 
 Request lifecycle in the gateway, stage by stage, and what moves a request on
-(modules in brackets):
+(modules in brackets; a chat completion, the other APIs run the same ``pipeline``):
 
  1. PARSE        [chat.parse_request, chat.validate_request] The JSON body
                  becomes a ``ChatCompletionRequest``; model, n, max_tokens
@@ -9,10 +9,10 @@ Request lifecycle in the gateway, stage by stage, and what moves a request on
                  penalties, logit_bias, min_tokens, logprobs) are checked.
                  Bad -> 400 / 404 (OpenAI error shape); good -> 2 with a
                  fresh ``request_id``.
- 2. ADMIT        [chat.check_workers] The worker registry (fed by LoadReport
+ 2. ADMIT        [pipeline.start_request] The worker registry (fed by LoadReport
                  heartbeats on ``deepinfer.load.>``) must know a live
                  tokenizer, prefill and decode worker, else 503. Before
-                 submitting (step 4), [generate.admit, router, admission]
+                 submitting (step 4), [pipeline.admit, router, admission]
                  the prompt is routed (prefill workers ranked by predicted
                  finish time, a decode worker chosen) and held to the limits:
                  in-flight streams, per-worker queued prefill, TTFT SLO ->
@@ -60,8 +60,11 @@ broadcast on ``deepinfer.prefill.abort`` and ``deepinfer.decode.abort``: every
 worker stops the request at its next step boundary wherever it is (queued,
 running, mid-handoff) and refuses a submit of it that arrives later.
 
-Modules: router (prefill / decode routing), admission (429s), dispatch (submit
-with fallbacks), app (routes, lifespan, root span), chat (the handler), openai_schema
+Modules: pipeline (the one generation path every API runs: start, admit, open the
+choices, chunks, respond), chat / completions / responses_api / anthropic_api (the
+API adapters: parse, validate, render their wire format), router (prefill / decode
+routing), admission (429s), dispatch (submit with fallbacks), app (routes, lifespan,
+root span), openai_schema
 (wire shapes), logprobs (token logprobs -> OpenAI entries), errors (OpenAI
 error bodies), stream (one request's token stream and liveness), registry
 (worker liveness), output / detokenizer / stop (tokens -> text), config

@@ -58,20 +58,17 @@ import uuid
 from contextlib import aclosing
 from typing import Annotated, Literal, Union
 
-import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator, model_validator
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator
 
 from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
-from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import ContextLengthExceeded, OpenAIError, bad_request
 from deepinfer.gateway.images import ANTHROPIC
 from deepinfer.gateway.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
 from deepinfer.gateway.unsupported import refused
-from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
+from deepinfer.gateway.pipeline import Gateway, check_workers, new_choices, open_choices, respond, start_request
 from deepinfer.gateway.limits import BodyTooLarge
 from deepinfer.gateway.stream import ClientGone, spawn
 from deepinfer.protocol import SamplingParams
@@ -484,11 +481,7 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     req = parse_body(MessagesRequest, await request.body(), _FIELDS, dotted=True)
     validate(req, gw)
     structured = structured_spec(req)
-    request_id = uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
-    check_workers(gw.registry, gw.required_roles)
-    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    request_id, traffic_class = start_request(request, gw, req)
     prompt_ids, images, embeddings_fp = await encode_messages_images(gw, request_id, template_messages(req),
                                                                      template_tools(req), terms=ANTHROPIC)
     max_tokens = output_budget(gw.max_model_len, len(prompt_ids), req.max_tokens, "messages")
@@ -512,15 +505,8 @@ async def create_message(request: Request, gw: Gateway) -> Response:
     reply = _Reply(r, gw.model.served_name)
     log.info("request_started", api="anthropic", prompt_tokens=len(prompt_ids), stream=req.stream,
              worker=choices[0].stream.worker_id)
-    headers = {"X-Request-Id": request_id, "request-id": f"req_{request_id}"}
-    if req.stream:
-        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
-    try:
-        body = await _collect(reply, request)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(body, headers=headers)
+    return await respond(request, bool(req.stream), _sse(reply) if req.stream else None,
+                         lambda r: _collect(reply, r), {"X-Request-Id": request_id, "request-id": f"req_{request_id}"})
 
 
 class _Reply:

@@ -1,4 +1,4 @@
-"""What the Responses and Anthropic Messages endpoints share beyond ``generate``.
+"""What the Responses and Anthropic Messages endpoints share beyond ``pipeline``.
 
 * ``parse_body``: strict pydantic parsing into an ``OpenAIError`` (400) naming the field.
 * ``encode_messages_images``: template messages (OpenAI chat shape, images too) -> prompt ids and
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from deepinfer.gateway.errors import (OpenAIError, bad_request, context_length_exceeded, mesh_errors,
                                      validation_error)
-from deepinfer.gateway.generate import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
+from deepinfer.gateway.pipeline import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
 from deepinfer.gateway.output import OutputProcessor
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.tools import ToolCall, ToolCallParser

@@ -29,7 +29,7 @@ from deepinfer.gateway.anthropic_api import CountTokensRequest, MessagesRequest
 from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
 from deepinfer.gateway.chat import create_chat_completion
 from deepinfer.gateway.completions import create_completion
-from deepinfer.gateway.generate import REQUEST_SPAN, Gateway
+from deepinfer.gateway.pipeline import REQUEST_SPAN, Gateway
 from deepinfer.gateway.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
 from deepinfer.gateway.errors import OpenAIError, install_error_handlers

@@ -26,23 +26,19 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-import structlog
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
+from fastapi.responses import Response
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
 from deepinfer.gateway.api_common import encode_messages_images, output_budget, parse_body
 from deepinfer.gateway.config import ModelInfo
 from deepinfer.gateway.errors import OpenAIError, bad_request, error_body
-from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks,
-                                        failure, http_error, new_choices, open_choices, raise_if_failed,
-                                        usage_counts)
+from deepinfer.gateway.pipeline import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
+                                        open_choices, raise_if_failed, respond, start_request, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.structured import openai_spec, strict_tools_spec, tool_call_spec
 from deepinfer.gateway.tools import ToolCallParser
@@ -95,11 +91,7 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     req = parse_request(await request.body())
     validate_request(req, gw.model)
     structured = structured_spec(req)
-    request_id = uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
-    check_workers(gw.registry, gw.required_roles)
-    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    request_id, traffic_class = start_request(request, gw, req)
     prompt_ids, images, embeddings_fp = await tokenize(gw, request_id, req)
     sampling = sampling_params(req, len(prompt_ids), gw.max_model_len)
     sampling.structured = structured
@@ -118,33 +110,11 @@ async def create_chat_completion(request: Request, gw: Gateway) -> Response:
     reply = _Reply(request_id, gw.model.served_name, req, prompt_ids, choices, gw.token_bytes)
     log.info("request_started", prompt_tokens=len(prompt_ids), stream=bool(req.stream), n=n,
              worker=choices[0].stream.worker_id)
-    if req.stream:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
-        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
-    try:
-        body = await _collect(reply, request)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(body, headers={"X-Request-Id": request_id})
+    return await respond(request, bool(req.stream), _sse(reply) if req.stream else None,
+                         lambda r: _collect(reply, r), {"X-Request-Id": request_id})
 
 
 # --- validation ----------------------------------------------------------------
-
-
-TRAFFIC_CLASS_HEADER = "X-Traffic-Class"
-SALT_MAX_CHARS = 256
-
-
-def request_traffic_class(req: oai.SamplingRequest, header: str | None, allowed: tuple[str, ...]) -> str:
-    """The request's storage-tier class: the ``traffic_class`` field, else the header, else "chat".
-    Raises a 400 for a class the gateway does not know or a too-long ``cache_salt``."""
-    cls = req.traffic_class or header or "chat"
-    if cls not in allowed:
-        raise bad_request(f"unknown traffic class {cls!r}; expected one of {', '.join(allowed)}",
-                          param="traffic_class")
-    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= SALT_MAX_CHARS:
-        raise bad_request(f"cache_salt must be 1-{SALT_MAX_CHARS} characters", param="cache_salt")
-    return cls
 
 
 def parse_request(body: bytes) -> oai.ChatCompletionRequest:

@@ -19,7 +19,7 @@ vision-language model's image placeholder token in a prompt (as an id, or as
 its text, which a raw prompt parses as the special token) is refused too: only
 an image may put it there, and this endpoint takes none.
 Generation, n > 1, stop strings and errors are the chat endpoint's
-(``generate.py``); responses have OpenAI's ``text_completion`` shape.
+(``pipeline.py``); responses have OpenAI's ``text_completion`` shape.
 vLLM's structured-output fields (``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar``, ``structured_outputs``) constrain the
 text (``gateway.structured``).
@@ -30,21 +30,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from contextlib import aclosing
 
-import structlog
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from deepinfer.gateway import logprobs as lp
 from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.chat import (TRAFFIC_CLASS_HEADER, request_traffic_class, sampling_params,
-                                    validate_sampling)
+from deepinfer.gateway.chat import sampling_params, validate_sampling
 from deepinfer.gateway.api_common import parse_body
 from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, internal
-from deepinfer.gateway.generate import (Choice, Gateway, abort_all, check_workers, chunks, failure, http_error,
-                                        new_choices, open_prompts, raise_if_failed, usage_counts)
+from deepinfer.gateway.pipeline import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
+                                        open_prompts, raise_if_failed, respond, start_request, usage_counts)
 from deepinfer.gateway.stream import ClientGone, StreamError, spawn
 from deepinfer.gateway.structured import openai_spec
 from deepinfer.telemetry import get_logger
@@ -62,10 +59,7 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     validate(req, gw)
     gen_req = generation_request(req)
     structured = openai_spec(req)
-    request_id = uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    check_workers(gw.registry, gw.required_roles)
-    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    request_id, traffic_class = start_request(request, gw, req)
     prompts = [await prompt_token_ids(p, req, gw) for p in prompt_list(req)]
     want_logprobs = req.logprobs is not None and not scores_only(req)  # (the scored token is dropped)
     samplings = []
@@ -90,13 +84,8 @@ async def create_completion(request: Request, gw: Gateway) -> Response:
     except OpenAIError:
         await abort_all(choices)
         raise
-    if req.stream:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
-        return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=headers)
-    try:
-        return JSONResponse(await reply.collect(request), headers={"X-Request-Id": request_id})
-    except ClientGone:
-        return Response(status_code=499)
+    return await respond(request, bool(req.stream), reply.sse() if req.stream else None, reply.collect,
+                         {"X-Request-Id": request_id})
 
 
 def prompt_list(req: oai.CompletionRequest) -> list[str | list[int]]:

@@ -1,4 +1,12 @@
-"""Generation through the mesh, shared by every API surface.
+"""The gateway's one generation pipeline: every API (chat, completions, responses, Anthropic
+messages) is an adapter around it.
+
+An API module parses its body into its own request model and validates it; then, the same for all:
+``start_request`` (request id, live workers or 503, traffic class), the tokenizer service
+(``api_common.encode_messages_images``; completions may send ids), ``output_budget`` with the one
+context-length error (``errors.context_length_exceeded``), ``SamplingParams``, ``new_choices`` and
+``open_choices``; the API renders the chunks in its wire format and ``respond`` sends them as SSE
+or JSON.
 
 An API handler turns its request into a prompt (token ids), ``SamplingParams``
 and ``n``; ``open_choices`` submits the n choices (one ``RequestStream`` and
@@ -21,9 +29,13 @@ import asyncio
 import contextvars
 import dataclasses
 import time
+import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import structlog
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
 from deepinfer.gateway import logprobs as lp
@@ -128,6 +140,50 @@ def check_workers(registry: WorkerRegistry, roles: tuple[str, ...] = REQUIRED_RO
         raise unavailable(f"no live {' / '.join(missing)} worker")
 
 
+
+
+TRAFFIC_CLASS_HEADER = "X-Traffic-Class"
+SALT_MAX_CHARS = 256
+
+
+def request_traffic_class(req, header: str | None, allowed: tuple[str, ...]) -> str:
+    """The request's storage-tier class: its ``traffic_class`` field, else the header, else "chat".
+    ``req``: any API's parsed request (``traffic_class``, ``cache_salt``). Raises a 400 for a class
+    the gateway does not know or a too-long ``cache_salt``."""
+    cls = req.traffic_class or header or "chat"
+    if cls not in allowed:
+        raise bad_request(f"unknown traffic class {cls!r}; expected one of {', '.join(allowed)}",
+                          param="traffic_class")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= SALT_MAX_CHARS:
+        raise bad_request(f"cache_salt must be 1-{SALT_MAX_CHARS} characters", param="cache_salt")
+    return cls
+
+
+def start_request(request: Request, gw: Gateway, req) -> tuple[str, str]:
+    """Begin one generation request of any API, once its body is parsed and valid: a fresh request
+    id, bound to the logs and set on the HTTP request's span; a 503 when a serving role has no live
+    worker (``check_workers``); its traffic class (``request_traffic_class``: 400). Returns
+    (request id, traffic class)."""
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
+    check_workers(gw.registry, gw.required_roles)
+    return request_id, request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER),
+                                             gw.config.traffic_classes)
+
+
+async def respond(request: Request, stream: bool, sse, collect, headers: dict[str, str]) -> Response:
+    """The reply of an API in its wire format: with ``stream``, an SSE response of ``sse`` (an async
+    iterator of encoded events); else the JSON body built by ``collect(request)``, or 499 when the
+    client left before it was complete. ``headers``: the API's response headers (request ids)."""
+    if stream:
+        return StreamingResponse(sse, media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        body = await collect(request)
+    except ClientGone:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(body, headers=headers)
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -398,7 +454,8 @@ def new_choices(gw: "Gateway", request_id: str, n: int, stop: list[str], traffic
     return [
         Choice(i, RequestStream(gw.mesh, gw.registry, request_id if n == 1 else f"{request_id}-{i}",
                                 gw.config.timeouts, traffic_class=traffic_class, cache_salt=cache_salt,
-                                images=images, embeddings_fingerprint=embeddings_fingerprint, mode=gw.config.mode),
+                                images=images, embeddings_fingerprint=embeddings_fingerprint, mode=gw.config.mode,
+                                router=gw.router),
                OutputProcessor(gw.model.tokenizer, stop), gateway=gw)
         for i in range(n)
     ]

@@ -71,18 +71,15 @@ import uuid
 from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Literal, Union
 
-import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
+from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages_images, field_names,
                                           log_finished, output_budget, parse_body, run, run_to_end)
-from deepinfer.gateway.chat import TRAFFIC_CLASS_HEADER, request_traffic_class
 from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
-from deepinfer.gateway.generate import Gateway, check_workers, new_choices, open_choices
+from deepinfer.gateway.pipeline import Gateway, new_choices, open_choices, respond, start_request
 from deepinfer.gateway.images import RESPONSES
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
 from deepinfer.gateway.stream import ClientGone, spawn
@@ -515,14 +512,10 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     req = parse_body(ResponsesRequest, await request.body(), _FIELDS)
     validate(req, gw)
     structured = structured_spec(req)
-    request_id = uuid.uuid4().hex
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    trace.get_current_span().set_attribute("deepinfer.request_id", request_id)
     context = await previous_context(store, req.previous_response_id) if req.previous_response_id else []
     new_items = input_items(req)
     check_call_outputs(context + new_items)
-    check_workers(gw.registry, gw.required_roles)
-    traffic_class = request_traffic_class(req, request.headers.get(TRAFFIC_CLASS_HEADER), gw.config.traffic_classes)
+    request_id, traffic_class = start_request(request, gw, req)
     prompt_ids, images, embeddings_fp = await encode_messages_images(
         gw, request_id, template_messages(req.instructions, context + new_items, len(context)), template_tools(req),
         param="input", terms=RESPONSES)
@@ -546,15 +539,8 @@ async def create_response(request: Request, gw: Gateway, store: ResponseStore) -
     reply = _Reply(r, req, gw.model.served_name, store, dump_items(context + new_items))
     log.info("request_started", api="responses", prompt_tokens=len(prompt_ids), stream=req.stream,
              previous_response_id=req.previous_response_id, worker=choices[0].stream.worker_id)
-    headers = {"X-Request-Id": request_id}
-    if req.stream:
-        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_sse(reply), media_type="text/event-stream", headers=headers)
-    try:
-        body = await _collect(reply, request)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(body, headers=headers)
+    return await respond(request, bool(req.stream), _sse(reply) if req.stream else None,
+                         lambda r: _collect(reply, r), {"X-Request-Id": request_id})
 
 
 class _Reply:

@@ -57,7 +57,7 @@ import statistics
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from deepinfer.gateway.registry import WorkerInfo, WorkerRegistry
 from deepinfer.kvstore.hashing import block_hashes
@@ -288,7 +288,23 @@ class Router:
 
     def plan(self, request_id: str, shape: PromptShape) -> Plan:
         """Rank the live prefill workers for ``shape`` (no side effects but the round-robin turn)."""
-        workers = sorted(self._live(self.config.prefill_role), key=lambda i: i.report.worker_id)
+        return Plan(request_id, shape, self.rank(shape, self.config.prefill_role), router=self)
+
+    def place(self, shape: PromptShape, role: str, exclude: Collection[str] = (), request_id: str = "") -> str | None:
+        """The one placement decision, for a retry or a failover as for a first submit (``plan`` and
+        ``commit`` rank and choose the same way): the worker of ``role`` a request of ``shape`` goes
+        to, leaving out ``exclude`` (workers the request left). "decode": ``choose_decode``'s pick,
+        booked for ``request_id``; any other role (a prompt to compute): the best of ``rank``.
+        None when no live worker qualifies (the caller submits to the role's queue group)."""
+        if role == "decode":
+            return self.choose_decode(shape, request_id, self.clock() + 2 * self._interval(), exclude)
+        ranked = [c for c in self.rank(shape, role) if c.worker_id not in exclude]
+        return ranked[0].worker_id if ranked else None
+
+    def rank(self, shape: PromptShape, role: str) -> list[Candidate]:
+        """The live, non-draining workers of ``role`` that would compute ``shape``'s prompt, best first
+        (``RouterConfig.prefill_policy``; ties by a rotating turn)."""
+        workers = sorted(self._live(role), key=lambda i: i.report.worker_id)
         turn, self._turn = self._turn, self._turn + 1
         ranked = []
         for pos, info in enumerate(workers):
@@ -299,7 +315,7 @@ class Router:
             score = self._score(r, sent, shape, finish, compute, (pos - turn) % len(workers))
             ranked.append((score, (pos - turn) % len(workers), Candidate(r.worker_id, finish, queue_s, compute, score)))
         ranked.sort(key=lambda t: (t[0], t[1]))
-        return Plan(request_id, shape, [c for _, _, c in ranked], router=self)
+        return [c for _, _, c in ranked]
 
     def _note_computing(self, plan: Plan, worker_id: str) -> None:
         """``plan``'s prompt is being computed at ``worker_id`` (and nowhere else) until its first token."""
@@ -447,12 +463,15 @@ class Router:
         return entry
 
     # --- decode ----------------------------------------------------------------------------
-    def choose_decode(self, shape: PromptShape, request_id: str, until: float) -> str | None:
-        """The decode worker for ``shape`` (booked until ``until``), or None when none has room:
-        free KV for the prompt and its reserve, and a queue within ``decode_max_waiting``."""
+    def choose_decode(self, shape: PromptShape, request_id: str, until: float,
+                      exclude: Collection[str] = ()) -> str | None:
+        """The decode worker for ``shape`` (booked until ``until``), not one of ``exclude``, or None
+        when none has room: free KV for the prompt and its reserve, and a queue within
+        ``decode_max_waiting``."""
         cfg = self.config
         need = shape.num_tokens + min(shape.max_tokens, cfg.decode_reserve_tokens)
-        workers = sorted(self._live("decode"), key=lambda i: i.report.worker_id)
+        workers = sorted((i for i in self._live("decode") if i.report.worker_id not in exclude),
+                         key=lambda i: i.report.worker_id)
         best = None
         for pos, info in enumerate(workers):
             r, sent = info.report, self._pending(self._decode_sent, info)

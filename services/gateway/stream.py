@@ -66,7 +66,7 @@ from typing import Awaitable, Callable
 
 from deepinfer.gateway.dispatch import submit_prompt
 from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.router import Plan
+from deepinfer.gateway.router import Plan, PromptShape, Router
 from deepinfer.kvstore.hashing import block_hashes
 from deepinfer.mesh import MeshClient, MeshError, MessageTooLarge, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (
@@ -148,8 +148,10 @@ class RequestStream:
         images: list[list] | None = None,
         embeddings_fingerprint: str = "",
         mode: str = "disagg",
+        router: Router | None = None,
     ):
         self.mesh = mesh
+        self.router = router or Router(registry)  # failover's placement (the gateway's router: its bookings)
         self.mode = mode  # "disagg": prefill then decode workers; "agg": one worker does both
         self.traffic_class = traffic_class
         self.cache_salt = cache_salt
@@ -477,18 +479,11 @@ class RequestStream:
                           f"tries used): {why}")
 
     def _pick(self, role: str) -> str | None:
-        """The least loaded live, non-draining worker of ``role`` this request has not left
-        (None: none known; the queue group is tried)."""
-        live = [i.report for i in self.registry.alive(role)
-                if not i.report.draining and i.report.worker_id not in self._abandoned]
-        if not live:
-            return None
-        if role == "prefill":
-            best = min(live, key=lambda r: (r.queued_prefill_s, r.waiting_requests + r.active_requests))
-        else:
-            best = min(live, key=lambda r: (r.kv_tokens_used / r.kv_tokens_capacity if r.kv_tokens_capacity else 0.0)
-                       + (r.active_requests + r.waiting_requests) / 64)
-        return best.worker_id
+        """Where the request goes now (``Router.place``: the same choice as for a first submit),
+        leaving out the workers it left; None: none qualifies, the queue group is tried."""
+        shape = PromptShape(len(self.prompt_token_ids) + len(self.output_token_ids),
+                            max_tokens=max(1, self.sampling.max_tokens - len(self.output_token_ids)))
+        return self.router.place(shape, role, self._abandoned, self.request_id)
 
     async def _redispatch_prefill(self, target: str | None) -> SubmitReply:
         req = PrefillRequest(self.request_id, self.prompt_token_ids, self.sampling, subjects.stream(self.request_id),

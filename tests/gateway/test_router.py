@@ -49,6 +49,25 @@ def first(router: Router, n: int = 100, rid: str = "r") -> str:
     return router.plan(rid, PromptShape(num_tokens=n)).candidates[0].worker_id
 
 
+# --- one placement function ----------------------------------------------------------------
+def test_place_is_the_first_submits_choice_less_the_workers_a_request_left():
+    """``Router.place`` (a failover's or a retry's placement) ranks and chooses as a first submit does,
+    leaving out the workers the request left; None when no live worker qualifies."""
+    busy = prefill("p-busy", queued_prefill_s=2.0)
+    idle = prefill("p-idle")
+    full = decode("d-full", kv_tokens_used=900, kv_tokens_capacity=1000)
+    roomy = decode("d-roomy", kv_tokens_used=100, kv_tokens_capacity=1000)
+    _, router, _ = setup(busy, idle, full, roomy)
+    shape = PromptShape(num_tokens=50, max_tokens=20)
+    assert router.place(shape, "prefill") == first(router, 50) == "p-idle"
+    assert router.place(shape, "prefill", exclude={"p-idle"}) == "p-busy"
+    assert router.place(shape, "prefill", exclude={"p-idle", "p-busy"}) is None
+    assert router.place(shape, "decode", request_id="r1") == "d-roomy"
+    assert router.sent_counts().get("d-roomy") == 1  # booked, as a first submit's decode worker is
+    assert router.place(shape, "decode", exclude={"d-roomy"}, request_id="r2") == "d-full"
+    assert router.place(shape, "decode", exclude={"d-roomy", "d-full"}, request_id="r3") is None
+
+
 # --- prefill scoring -------------------------------------------------------------------------
 def test_predicted_finish_picks_the_worker_that_finishes_first_even_with_more_requests():
     busy = prefill("p-busy", active_requests=6, waiting_requests=4, queued_prefill_s=0.05)
