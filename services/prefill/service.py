@@ -106,7 +106,7 @@ class PrefillService(EngineWorker):
     # --- handlers -------------------------------------------------------------
     async def on_submit(self, req: PrefillRequest) -> SubmitReply | ErrorReply:
         """Answer at once (the gateway times submits out): checks, then the prefix load and
-        the engine queueing go on in ``admit``. A request this engine refuses (``RequestError``)
+        the engine queueing go on in ``load_and_queue``. A request this engine refuses (``RequestError``)
         is an ``ErrorReply`` of kind "bad_request" (the client's 400); a refused submit that
         another worker may take (draining, aborted, a duplicate) is ``accepted=False``."""
         if self.draining:
@@ -118,7 +118,7 @@ class PrefillService(EngineWorker):
             if req.attempt > running.attempt:
                 # the gateway gave up waiting for our answer to an earlier attempt and sent it again,
                 # which reached us: the work here goes on as this attempt (the abort the gateway sent
-                # for the earlier one no longer matches it). Updated in place: ``admit`` may still be
+                # for the earlier one no longer matches it). Updated in place: ``load_and_queue`` may still be
                 # loading the prefix and checks that the request it holds is the one registered.
                 running.attempt = req.attempt
                 return SubmitReply(accepted=True, worker_id=self.worker_id)
@@ -129,13 +129,13 @@ class PrefillService(EngineWorker):
         except RequestError as e:  # the request itself (e.g. a feature this engine lacks): the client's 400
             return ErrorReply(error=str(e), kind="bad_request")
         # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
-        # ``admit`` resumes (the engine steps at once), and would be dropped as aborted.
+        # ``load_and_queue`` resumes (the engine steps at once), and would be dropped as aborted.
         self.requests[req.request_id] = req
         self.trace_contexts[req.request_id] = otel_context.get_current()
-        self.spawn(self.admit(req))
+        self.spawn(self.load_and_queue(req))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
-    async def admit(self, req: PrefillRequest) -> None:
+    async def load_and_queue(self, req: PrefillRequest) -> None:
         """Load the request's stored prefix, then queue it in the engine (unless aborted meanwhile)."""
         with tracer().start_as_current_span("prefill.load") as span:
             try:

@@ -707,7 +707,7 @@ async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attem
     async def admit(req):
         admitted.append((req.request_id, req.attempt))
 
-    svc.admit = admit
+    svc.load_and_queue = admit
     svc.async_engine = SimpleNamespace(abort=aborted.append)
 
     def attempt(n: int, prompt=(1, 2, 3)) -> PrefillRequest:
