@@ -4,8 +4,8 @@ configuration, the output of a step and the error for a request it refuses.
 Three engines implement ``Engine``: ``LLMEngine`` (this project's model runner),
 ``MockEngine`` (the same scheduler and KV cache with no model) and ``VllmEngine`` (vLLM's
 engine core in process). A worker service drives any of them the same way: ``check_request``
-before accepting, ``add_request``, ``step`` (or ``step_async``) until ``has_unfinished`` is
-False, ``abort`` on cancellation, ``fail_all`` after a step raised; it moves KV to and from the
+before accepting, ``add_request``, ``step`` (the native and mock engines also ``step_async``,
+when ``config.async_scheduling``) until ``has_unfinished`` is False, ``abort`` on cancellation, ``fail_all`` after a step raised; it moves KV to and from the
 storage tier only through ``kv_connector`` and reports load from ``load_fields``.
 """
 
