@@ -36,3 +36,4 @@ from deepinfer.protocol.messages import (  # noqa: F401
 )
 from deepinfer.protocol import subjects  # noqa: F401
 from deepinfer.protocol.aborts import AbortLedger  # noqa: F401
+from deepinfer.protocol.attempts import Attempt, reaches  # noqa: F401

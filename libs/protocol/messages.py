@@ -15,7 +15,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-SCHEMA_VERSION = 1
+from deepinfer.protocol.attempts import Attempt
+
+SCHEMA_VERSION = 2  # 2: ``attempt`` fields are ``Attempt`` maps (were ints)
 
 
 class ProtocolError(ValueError):
@@ -183,13 +185,13 @@ class PrefillRequest:
     traffic_class: str = "chat"
     cache_salt: str | None = None  # tenant key mixed into the prefix hashes: no sharing across salts
     decode_worker: str | None = None
-    attempt: int = 0  # the gateway's submit attempt for this request (see ``AbortRequest.attempt``)
+    attempt: Attempt = field(default_factory=Attempt)  # which copy of the request (``protocol.attempts``)
     # vision-language prompts: [offset, length, content hash] per image (``EncodeChatReply.images``)
     # and where the vision service put their embeddings (``VisionEncodeReply.embeddings_fingerprint``)
     images: list[list] = field(default_factory=list)
     embeddings_fingerprint: str = ""
 
-    NESTED: ClassVar[dict] = {"sampling": SamplingParams}
+    NESTED: ClassVar[dict] = {"sampling": SamplingParams, "attempt": Attempt}
 
 
 @message
@@ -224,9 +226,9 @@ class DecodeRequest:
     # that recomputes part of the prompt (a resume) reads them from the storage tier
     images: list[list] = field(default_factory=list)
     embeddings_fingerprint: str = ""
-    attempt: int = 0  # prefill's handoff attempt: 0 to its chosen worker, 1 to the queue group after that
+    attempt: Attempt = field(default_factory=Attempt)  # the prefill submit's, with prefill's handoff number
 
-    NESTED: ClassVar[dict] = {"sampling": SamplingParams}
+    NESTED: ClassVar[dict] = {"sampling": SamplingParams, "attempt": Attempt}
 
 
 @message
@@ -242,17 +244,19 @@ class SubmitReply:
 class AbortRequest:
     """gateway -> worker: stop this request and free its KV blocks.
 
-    attempt: only the prefill submit with this ``PrefillRequest.attempt`` (a targeted submit
-    that timed out, so a later attempt of the same request may still land on this worker), or
-    the decode handoff with this ``DecodeRequest.attempt`` (prefill's, likewise); -1 = any attempt.
+    attempt: only the copy of the request with this ``Attempt`` (a targeted submit or handoff that
+    timed out, so a later attempt of the same request may still land on this worker; a copy the
+    gateway moved away from); None = any copy (``protocol.attempts.reaches``).
     final: the request is over (its client left, a stop string ended it): every copy of it
     stops, whatever its attempt, and any submit or handoff of it that arrives later is refused.
     The gateway broadcasts final aborts to every prefill and decode worker, so they reach the
     request wherever it is (queued, running, in a handoff between two workers)."""
 
     request_id: str
-    attempt: int = -1
+    attempt: Attempt | None = None
     final: bool = False
+
+    NESTED: ClassVar[dict] = {"attempt": Attempt}
 
 
 @message
@@ -275,7 +279,7 @@ class TokenChunk:
     announcement: the tokens it was given), so the gateway sees a chunk lost in transit (a gap)
     or a copy behind it; -1 = not said (error chunks, older senders).
     attempt: decode chunks: the ``DecodeRequest.attempt`` of the copy that produced them, so two
-    copies on one worker are told apart; -1 = not said.
+    copies of the request are told apart and the newer one known; None = not said.
     prompt_logprobs: the chunk with the first token, when the request asked
     (``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first (nothing
     predicts it), else ``[logprob, [[token_id, logprob], ...]]`` (the token's logprob under the
@@ -294,8 +298,10 @@ class TokenChunk:
     prefix_path: str = ""
     num_replayed_tokens: int = 0
     offset: int = -1
-    attempt: int = -1
+    attempt: Attempt | None = None
     prompt_logprobs: list | None = None
+
+    NESTED: ClassVar[dict] = {"attempt": Attempt}
 
 
 @message
@@ -571,7 +577,8 @@ class BalancerStatus:
 def _to_dict(msg) -> dict[str, Any]:
     d = dataclasses.asdict(msg)
     for name in getattr(type(msg), "NESTED", {}):
-        d[name] = getattr(msg, name).to_dict()
+        value = getattr(msg, name)
+        d[name] = None if value is None else value.to_dict()
     d["v"] = SCHEMA_VERSION
     d["t"] = type(msg).__name__
     return d

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
@@ -60,7 +61,7 @@ from deepinfer.engine.interface import RequestError, StepOutput
 from deepinfer.engine_worker.base import EngineWorker
 from deepinfer.kvstore import KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
-from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, subjects
+from deepinfer.protocol import AbortLedger, AbortRequest, DecodeRequest, SubmitReply, TokenChunk, reaches, subjects
 from deepinfer.telemetry import get_logger, tracer
 
 log = get_logger(__name__)
@@ -74,15 +75,21 @@ def is_handoff(req: DecodeRequest) -> bool:
     return req.num_kv_tokens == len(req.prompt_token_ids) + len(req.output_token_ids) - 1
 
 
+@dataclass(eq=False)
+class DecodeJob:
+    """A request's state in this worker, from its accepted submit until its last token (or abort)."""
+
+    req: DecodeRequest
+    span: trace.Span | None = None  # ``decode.generate``: from the engine taking it to its end
+    streamed: int = -1  # output tokens streamed so far (the next ``TokenChunk.offset``); -1: not in the engine yet
+    last_chunk_at: float = 0.0  # when its last chunk or announce went out (monotonic s)
+
+
 class DecodeService(EngineWorker):
     role = "decode"
 
     async def setup(self) -> None:
-        self.spans: dict[str, trace.Span] = {}  # request id -> its ``decode.generate`` span
         self.aborted = AbortLedger()  # aborts that came before their submit
-        # request id -> (its output tokens streamed so far: ``TokenChunk.offset``, when its last chunk went
-        # out: monotonic s)
-        self.streamed: dict[str, tuple[int, float]] = {}
         self.start_engine()
         self._keepalive = asyncio.create_task(self.keep_alive())
         self.index = KVIndexClient(self.mesh, self.worker_id, self.engine.fingerprint)
@@ -107,7 +114,8 @@ class DecodeService(EngineWorker):
         if req.kv_block_keys and req.block_size != self.engine.config.block_size:
             return SubmitReply(accepted=False, worker_id=self.worker_id,
                                error=f"block size {req.block_size} != {self.engine.config.block_size}")
-        self.requests[req.request_id] = req
+        job = DecodeJob(req)
+        self.requests[req.request_id] = job
         bs = self.engine.config.block_size
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         handoff = is_handoff(req)  # KV of every token but the last (else: a prefix to look up)
@@ -123,20 +131,20 @@ class DecodeService(EngineWorker):
         embeds = None  # a recompute of a prompt with images may reach image rows: their embeddings
         if req.images and not whole:
             embeds = await asyncio.get_running_loop().run_in_executor(self.io, self.read_embeddings, req)
-        if self.requests.get(req.request_id) is not req:  # aborted while its blocks were read
+        if self.requests.get(req.request_id) is not job:  # aborted while its blocks were read
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         # the request's time in the engine, until its last token (``on_outputs``) or an abort
-        self.spans[req.request_id] = tracer().start_span("decode.generate", attributes={
+        job.span = tracer().start_span("decode.generate", attributes={
             "deepinfer.request_id": req.request_id, "deepinfer.kv.imported": whole})
         try:
             if isinstance(embeds, str):
                 raise RequestError(f"cannot recompute the prompt's images: {embeds}")
             if not whole and kv is not None:
                 await self.kv.load_prefix(req, kv, num_tokens, skip)
-                if self.requests.get(req.request_id) is not req:  # aborted while the prefix went in
-                    self.end_span(req.request_id, error="aborted")
+                if self.requests.get(req.request_id) is not job:  # aborted while the prefix went in
+                    self.end_span(job, error="aborted")
                     return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
-            self.streamed[req.request_id] = (len(req.output_token_ids), time.monotonic())  # before its first output
+            job.streamed, job.last_chunk_at = len(req.output_token_ids), time.monotonic()  # before its first output
             await self.async_engine.add_request(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
                 output_token_ids=req.output_token_ids, kv_blocks=kv if whole else None,
@@ -148,13 +156,11 @@ class DecodeService(EngineWorker):
             )
         except RequestError as e:
             self.requests.pop(req.request_id, None)
-            self.streamed.pop(req.request_id, None)
-            self.end_span(req.request_id, error=str(e))
+            self.end_span(job, error=str(e))
             return SubmitReply(accepted=False, worker_id=self.worker_id, error=str(e))
         except BaseException as e:  # the mesh answers an ErrorReply; nothing of the request stays here
             self.requests.pop(req.request_id, None)
-            self.streamed.pop(req.request_id, None)
-            self.end_span(req.request_id, error=f"{type(e).__name__}: {e}")
+            self.end_span(job, error=f"{type(e).__name__}: {e}")
             raise
         log.info("decode_started", prompt_tokens=len(req.prompt_token_ids), imported_kv=whole,
                  image_embeddings=embeds is not None)
@@ -178,45 +184,42 @@ class DecodeService(EngineWorker):
             if self.engine.num_steps == steps:
                 continue  # not stepping (idle, or stuck: then the gateway's timeout is right)
             steps, now = self.engine.num_steps, time.monotonic()
-            for rid, (offset, at) in list(self.streamed.items()):
-                req = self.requests.get(rid)
+            for job in list(self.requests.values()):
                 # (silent for a period: no chunk of it is still on its way, so its offset is the stream's)
-                if req is not None and now - at >= period:
-                    self.streamed[rid] = (offset, now)
+                if job.streamed >= 0 and now - job.last_chunk_at >= period:
+                    job.last_chunk_at = now
                     try:
-                        await self.announce(req, offset)
+                        await self.announce(job.req, job.streamed)
                     except Exception as e:  # NATS down: the next round tries again
-                        log.warning("keepalive_failed", request_id=rid, error=str(e))
+                        log.warning("keepalive_failed", request_id=job.req.request_id, error=str(e))
                         break
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
-        if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
+        if running is not None and (msg.final or reaches(msg.attempt, running.req.attempt)):
             del self.requests[msg.request_id]
-            self.streamed.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
-            self.end_span(msg.request_id, error="aborted")
+            self.end_span(running, error="aborted")
             self.num_aborted += 1
             if not msg.final:
                 return
         # not here (yet), or over for good: refuse a submit that comes later. (An abort of any
         # attempt that is not final is the gateway moving the request away: a later resume may
         # come back here.)
-        if msg.final or msg.attempt >= 0:
+        if msg.final or msg.attempt is not None:
             self.aborted.record(msg)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            req = self.requests.get(out.request_id)
-            if req is None:  # aborted meanwhile
+            job = self.requests.get(out.request_id)
+            if job is None:  # aborted meanwhile
                 continue
-            offset = self.streamed.get(out.request_id, (-1, 0.0))[0]
+            req, offset = job.req, job.streamed
             if out.finish_reason is not None:
                 del self.requests[out.request_id]
-                self.streamed.pop(out.request_id, None)
-                self.end_span(out.request_id, out)
+                self.end_span(job, out)
             elif offset >= 0:
-                self.streamed[out.request_id] = (offset + len(out.new_token_ids), time.monotonic())
+                job.streamed, job.last_chunk_at = offset + len(out.new_token_ids), time.monotonic()
             chunk = TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids, role=self.role,
                                worker_id=self.worker_id, finish_reason=out.finish_reason,
                                num_prompt_tokens=out.num_prompt_tokens, logprobs=out.wire_logprobs(),
@@ -243,12 +246,14 @@ class DecodeService(EngineWorker):
         await super().teardown()
 
     # --- helpers ---------------------------------------------------------------
-    def end_span(self, request_id: str, out: StepOutput | None = None, error: str = "") -> None:
+    @staticmethod
+    def end_span(job: DecodeJob, out: StepOutput | None = None, error: str = "") -> None:
         """End the request's ``decode.generate`` span: its finish reason and speculative
         decoding counts from its last output, or the error that ended it."""
-        span = self.spans.pop(request_id, None)
+        span, job.span = job.span, None
         if span is None:
             return
+        request_id = job.req.request_id
         if out is not None:
             span.set_attributes({"gen_ai.response.finish_reasons": [out.finish_reason],
                                  "deepinfer.spec.draft_tokens": out.num_draft_tokens,

@@ -43,7 +43,9 @@ class EngineWorker(Service):
         self.experts = (ExpertLink(self.engine, model_id(model_dir), self.worker_id, self.role, expert_stats_s,
                                    ep_ranks) if is_moe(self.engine) else None)
         self.store = BlockStore(kv_root, self.engine.fingerprint)
-        self.requests: dict = {}  # request_id -> the request message, while it is in the engine
+        # request id -> the worker's state of the request (``PrefillJob``, ``DecodeJob``; its ``req`` is
+        # the submit message), from its accepted submit until the engine is done with it
+        self.requests: dict = {}
         self.num_aborted = 0  # requests stopped here on an abort, since start
         self.io = ThreadPoolExecutor(2, thread_name_prefix="kvstore")
         self.async_engine: AsyncEngine | None = None
@@ -65,9 +67,9 @@ class EngineWorker(Service):
         """Prefill: each output is a request's only one; count its prompt's prefix-cache hit by
         traffic class (metrics), then ``on_outputs``."""
         for out in outputs:
-            req = self.requests.get(out.request_id)
-            if req is not None:
-                metrics.count_prefix(req.traffic_class, out.num_prompt_tokens, out.num_cached_tokens)
+            job = self.requests.get(out.request_id)
+            if job is not None:
+                metrics.count_prefix(job.req.traffic_class, out.num_prompt_tokens, out.num_cached_tokens)
         self.on_outputs(outputs)
 
     def load_report(self) -> LoadReport:

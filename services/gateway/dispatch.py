@@ -10,15 +10,16 @@ with what is left of the submit timeout:
   refused / no responders /
   bad reply / internal error     -> the next candidate
   no answer in time              -> ``AbortRequest`` to that worker for that attempt only (each
-                                    submit carries its own ``PrefillRequest.attempt``: the late
-                                    copy is refused or dropped there, while a later attempt the
-                                    queue group hands the same worker is taken), then the next
-                                    candidate
+                                    try is the request's next submit, ``Attempt.next_submit``:
+                                    the late copy is refused or dropped there, while a later
+                                    attempt the queue group hands the same worker is taken), then
+                                    the next candidate
   "bad_request" error            -> raised at once (every worker would refuse it)
 
 Without a plan (or with no candidates) it is exactly one queue-group submit. The last attempt's
 ``SubmitReply`` is returned (it may be a refusal) and its exceptions (``NoResponders``,
 ``RequestTimeout``, ``RemoteError``, ``ProtocolError``) propagate, as from ``MeshClient.request``.
+``req.attempt`` is left at the last try's attempt (the accepted copy's, when one accepted).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ async def submit_prompt(mesh: MeshClient, req: PrefillRequest | DecodeRequest, p
             if left <= 0.5:  # keep time for the queue group
                 break
             worker = cand.worker_id
-            req.attempt += 1
             try:
                 reply = await mesh.request(targeted(worker), req,
                                            min(cfg.targeted_timeout_s, left - 0.5), expect=SubmitReply)
@@ -67,7 +67,7 @@ async def submit_prompt(mesh: MeshClient, req: PrefillRequest | DecodeRequest, p
                 why = f"refused: {reply.error}"
             router.failed(plan, worker)
             log.info("prompt_target_fallback", request_id=req.request_id, role=role, worker=worker, reason=why)
-    req.attempt += 1
+            req.attempt = req.attempt.next_submit()
     try:
         reply = await mesh.request(group, req, max(deadline - time.monotonic(), 0.5),
                                    expect=SubmitReply)

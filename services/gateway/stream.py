@@ -34,9 +34,10 @@ that reports it could not hand off, triggers a failover (``_failover``):
     duplicates; one that still streams was not reached by that abort and is
     aborted again (at most once a second);
   * PREFILL (no token yet): a fresh ``PrefillRequest`` (same request id and
-    stream subject) goes to another live prefill worker, the least loaded;
+    stream subject) goes to another live prefill worker (``Router.place``: the
+    choice a first submit gets, less the workers the request left);
   * HANDOFF / DECODE (tokens out): a ``DecodeRequest`` goes to another live
-    decode worker, the least loaded: the prompt, every token received so far
+    decode worker, chosen the same way: the prompt, every token received so far
     (``output_token_ids``: what the client was given) and the keys of the
     prompt's full KV blocks in the storage tier (``block_hashes`` with the
     worker's fingerprint and block size from its ``LoadReport``); decode loads
@@ -47,6 +48,11 @@ that reports it could not hand off, triggers a failover (``_failover``):
     exactly. A prompt with images carries their content hashes (in the block
     keys) and embeddings fingerprint: decode reads the images' embeddings from
     the storage tier to recompute any image rows the stored blocks miss.
+
+Each submit, the first ones and each failover's, is the request's next ``Attempt``
+(``protocol.attempts``); decode chunks name the copy that sent them, so where two copies
+stream (a handoff retry, a resume that raced a handoff) the stream takes one, the newest
+where it continues the client's tokens, and aborts the other (``_one_copy``).
 
 At most ``max_failovers`` submits per request (a refused or unanswered one
 counts); then, or when no worker of the role is left, ``StreamError`` (HTTP
@@ -71,6 +77,7 @@ from deepinfer.kvstore.hashing import block_hashes
 from deepinfer.mesh import MeshClient, MeshError, MessageTooLarge, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (
     AbortRequest,
+    Attempt,
     DecodeRequest,
     PrefillRequest,
     ProtocolError,
@@ -175,11 +182,12 @@ class RequestStream:
         self.sampling: SamplingParams | None = None
         self.output_token_ids: list[int] = []  # tokens received so far (what the client was given)
         self.failovers = 0  # submits made after a failure
+        self.attempt = Attempt()  # the request's latest submit (``protocol.attempts``): failovers take the next
         self._abandoned: set[str] = set()  # workers the request was moved away from: chunks dropped
         self._reaborted: dict[str, float] = {}  # abandoned worker -> when it was last aborted again
         self._pinned_decode = ""  # decode worker the gateway resumed on: other decode chunks dropped
-        self._pinned_attempt = -1  # ... and the attempt it resumed with (older copies there dropped)
-        self._decode_copy: tuple[str, int] | None = None  # (worker, attempt) whose decode chunks are taken
+        self._pinned_attempt: Attempt | None = None  # ... and the attempt it resumed with (older copies dropped)
+        self._decode_copy: tuple[str, Attempt] | None = None  # (worker, attempt) whose decode chunks are taken
         self._reconnects = getattr(mesh, "reconnects", 0)  # the mesh connection's losses seen
         self._reconnected_at = 0.0  # when the stream saw the connection come back (0: not since its last check)
 
@@ -192,7 +200,7 @@ class RequestStream:
         self._sub = await self.mesh.nc.subscribe(subject, cb=self._on_msg)
         role = "decode" if self.mode == "agg" else "prefill"
         if role == "decode":
-            req = self._decode_request(plan.decode_worker if plan is not None else None, attempt=0)
+            req = self._decode_request(plan.decode_worker if plan is not None else None, Attempt())
             req.num_kv_tokens = 0  # the keys name a prefix to look up (in the worker's cache first), not a handoff
         else:
             req = PrefillRequest(self.request_id, prompt_token_ids, sampling, subject, self.traffic_class,
@@ -200,6 +208,7 @@ class RequestStream:
                                  images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         try:
             reply = await submit_prompt(self.mesh, req, plan, self.timeouts.submit_s, role)
+            self.attempt = req.attempt
         except MessageTooLarge as e:  # e.g. a huge structured-output schema: no worker could take it
             await self._fail()
             raise StreamError(f"the request is too large for the mesh: {e}", code="request_too_large", status=413)
@@ -304,7 +313,7 @@ class RequestStream:
             if chunk.finish_reason is None:
                 await self._publish_abort("decode", chunk.worker_id)
             return False
-        if chunk.role == "decode" and chunk.attempt >= 0 and not await self._one_copy(chunk):
+        if chunk.role == "decode" and chunk.attempt is not None and not await self._one_copy(chunk):
             return False
         if chunk.offset >= 0 and self.phase is not Phase.FINISHED:
             have = len(self.output_token_ids)
@@ -333,7 +342,7 @@ class RequestStream:
         from two copies are never mixed. Raises StreamError when no worker takes the resume."""
         copy = (chunk.worker_id, chunk.attempt)
         if self._pinned_decode:  # (another worker's chunks were dropped above)
-            return self._pinned_attempt < 0 or chunk.attempt == self._pinned_attempt
+            return self._pinned_attempt is None or chunk.attempt == self._pinned_attempt
         if self._decode_copy is None or copy == self._decode_copy:
             return True
         have = len(self.output_token_ids)
@@ -365,16 +374,16 @@ class RequestStream:
             self.phase = Phase.HANDOFF
         await self._failover(reason, keep=True)
 
-    def _watched_attempt(self) -> int:
+    def _watched_attempt(self) -> Attempt | None:
         copy = self._decode_copy
-        return copy[1] if self.worker_role == "decode" and copy and copy[0] == self.worker_id else -1
+        return copy[1] if self.worker_role == "decode" and copy and copy[0] == self.worker_id else None
 
     def _advance(self, chunk: TokenChunk) -> None:
         now = self.clock()
         self._last_chunk_at = now
         self._next_check_at = min(self._next_check_at, now + self.timeouts.tick_s)  # out of the queued ticks
         self.output_token_ids += chunk.token_ids
-        if chunk.role == "decode" and chunk.attempt >= 0:
+        if chunk.role == "decode" and chunk.attempt is not None:
             self._decode_copy = (chunk.worker_id, chunk.attempt)
         if chunk.role == "decode":
             if self.worker_role != "decode" or chunk.worker_id != self.worker_id:
@@ -425,7 +434,7 @@ class RequestStream:
         if not keep:
             self._abandoned.add(failed)
         # if it was only slow: drop it, free its KV (``keep``: that copy only)
-        await self._publish_abort(failed_role, failed, self._watched_attempt() if keep else -1)
+        await self._publish_abort(failed_role, failed, self._watched_attempt() if keep else None)
         to_decode = self.phase in (Phase.HANDOFF, Phase.DECODE)  # a token is out: continue decoding it
         what = "resuming on another decode worker" if to_decode else "re-dispatching to another prefill worker"
         log.warning("worker_failed", request_id=self.request_id, role=failed_role, worker=failed, reason=reason,
@@ -433,6 +442,7 @@ class RequestStream:
         started, why = self.clock(), "no worker left to try"
         while self.failovers < self.timeouts.max_failovers:
             self.failovers += 1
+            self.attempt = self.attempt.next_submit()
             role = "decode" if to_decode else "prefill"
             target = self._pick(role)
             try:
@@ -466,7 +476,7 @@ class RequestStream:
             self._watch(role, reply.worker_id, now)
             self._last_chunk_at = now
             if to_decode:
-                self._pinned_decode, self._pinned_attempt = reply.worker_id, 100 + self.failovers
+                self._pinned_decode, self._pinned_attempt = reply.worker_id, self.attempt
                 self._decode_copy = (reply.worker_id, self._pinned_attempt)
                 self.phase = Phase.DECODE
             else:
@@ -487,18 +497,18 @@ class RequestStream:
 
     async def _redispatch_prefill(self, target: str | None) -> SubmitReply:
         req = PrefillRequest(self.request_id, self.prompt_token_ids, self.sampling, subjects.stream(self.request_id),
-                             self.traffic_class, self.cache_salt, attempt=100 + self.failovers,
+                             self.traffic_class, self.cache_salt, attempt=self.attempt,
                              images=self.images, embeddings_fingerprint=self.embeddings_fingerprint)
         subject = subjects.prefill_submit(target) if target else subjects.PREFILL_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 
     async def _resume_decode(self, target: str | None) -> SubmitReply:
         """Submit the request to a decode worker: prompt, tokens so far, the prompt's stored blocks."""
-        req = self._decode_request(target, attempt=100 + self.failovers)
+        req = self._decode_request(target, self.attempt)
         subject = subjects.decode_submit(target) if target else subjects.DECODE_SUBMIT
         return await self.mesh.request(subject, req, timeout=self.timeouts.submit_s, expect=SubmitReply)
 
-    def _decode_request(self, target: str | None, attempt: int) -> DecodeRequest:
+    def _decode_request(self, target: str | None, attempt: Attempt) -> DecodeRequest:
         """A ``DecodeRequest`` that (re)computes the request on a decode worker from its prompt, the
         tokens the client has and the keys of the prompt's full blocks in the storage tier (hashed
         as ``target``, else any live decode worker, reports; none known: no keys)."""
@@ -524,7 +534,7 @@ class RequestStream:
         self.phase = Phase.FINISHED
         await self.close()
 
-    async def _publish_abort(self, role: str, worker_id: str, attempt: int = -1) -> None:
+    async def _publish_abort(self, role: str, worker_id: str, attempt: Attempt | None = None) -> None:
         try:
             await self.mesh.publish(subjects.abort(role, worker_id), AbortRequest(self.request_id, attempt))
             log.info("abort_sent", request_id=self.request_id, role=role, to=worker_id)

@@ -54,6 +54,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from dataclasses import dataclass
+
 import structlog
 from opentelemetry import context as otel_context
 
@@ -62,8 +64,8 @@ from deepinfer.engine_worker.base import EngineWorker
 from deepinfer.kvstore import AsyncBlockStore, KVIndexClient
 from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.mesh import MeshError, RequestTimeout
-from deepinfer.protocol import (AbortLedger, AbortRequest, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError, SubmitReply,
-                                TokenChunk, subjects)
+from deepinfer.protocol import (AbortLedger, AbortRequest, Attempt, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError,
+                                SubmitReply, TokenChunk, reaches, subjects)
 from deepinfer.telemetry import get_logger, record_span, tracer
 
 log = get_logger(__name__)
@@ -74,8 +76,20 @@ TARGET_HANDOFF_TIMEOUT_S = 3.0  # the gateway's chosen decode worker, before the
 # ``handoff_s``: after that it resumes the request on a decode worker itself)
 HANDOFF_WAIT_S = 12.0
 HANDOFF_RETRY_S = (0.1, 1.0)  # pause before trying again after a refusal: first, doubling up to the last
-# handoff attempts stay below the numbers the gateway gives its own resumes (100 and up)
-HANDOFF_MAX_ATTEMPTS = 50
+HANDOFF_MAX_ATTEMPTS = 50  # tries at handing one request off (a bound besides ``HANDOFF_WAIT_S``)
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """A request's state in this worker, from its accepted submit until its first token is out and
+    handed off (or it is aborted). ``attempt`` starts as the submit's; a later submit of the same
+    request that lands here while it runs (the gateway timed the first one out) replaces it, so
+    the handoff and the aborts follow the gateway's newest copy."""
+
+    req: PrefillRequest
+    attempt: Attempt
+    trace_context: otel_context.Context  # the submit's: the engine's spans and the handoff join its trace
+    queued_at: float = 0.0  # perf_counter when the engine got it (0: its stored prefix still loading)
 
 
 class PrefillService(EngineWorker):
@@ -87,8 +101,6 @@ class PrefillService(EngineWorker):
         super().__init__(*args, **kwargs)
         self.aborted = AbortLedger()  # aborts that found nothing to stop (yet)
         self._tasks: set[asyncio.Task] = set()  # first-token publish, KV store, handoff
-        self.trace_contexts: dict[str, otel_context.Context] = {}  # request id -> its submit's trace context
-        self.queued_at: dict[str, float] = {}  # request id -> perf_counter when the engine got it
 
     async def setup(self) -> None:
         self.start_engine()
@@ -111,7 +123,7 @@ class PrefillService(EngineWorker):
         another worker may take (draining, aborted, a duplicate) is ``accepted=False``."""
         if self.draining:
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="draining")
-        if self.was_aborted(req):
+        if self.aborted.refuses(req.request_id, req.attempt):
             return SubmitReply(accepted=False, worker_id=self.worker_id, error="aborted")
         running = self.requests.get(req.request_id)
         if running is not None:
@@ -119,7 +131,7 @@ class PrefillService(EngineWorker):
                 # the gateway gave up waiting for our answer to an earlier attempt and sent it again,
                 # which reached us: the work here goes on as this attempt (the abort the gateway sent
                 # for the earlier one no longer matches it). Updated in place: ``load_and_queue`` may still be
-                # loading the prefix and checks that the request it holds is the one registered.
+                # loading the prefix and checks that the job it holds is the one registered.
                 running.attempt = req.attempt
                 return SubmitReply(accepted=True, worker_id=self.worker_id)
             # a second copy would stream its first token twice
@@ -130,21 +142,22 @@ class PrefillService(EngineWorker):
             return ErrorReply(error=str(e), kind="bad_request")
         # NOTE: registered before the engine has it: its output can reach ``on_outputs`` before
         # ``load_and_queue`` resumes (the engine steps at once), and would be dropped as aborted.
-        self.requests[req.request_id] = req
-        self.trace_contexts[req.request_id] = otel_context.get_current()
-        self.spawn(self.load_and_queue(req))
+        job = PrefillJob(req, req.attempt, otel_context.get_current())
+        self.requests[req.request_id] = job
+        self.spawn(self.load_and_queue(job))
         return SubmitReply(accepted=True, worker_id=self.worker_id)
 
-    async def load_and_queue(self, req: PrefillRequest) -> None:
+    async def load_and_queue(self, job: PrefillJob) -> None:
         """Load the request's stored prefix, then queue it in the engine (unless aborted meanwhile)."""
+        req = job.req
         with tracer().start_as_current_span("prefill.load") as span:
             try:
                 span.set_attribute("deepinfer.kv.loaded_blocks", await self.kv.load_stored_prefix(req))
             except Exception as e:  # the cache is an optimisation: never fail a request for it
                 log.warning("kv_prefix_load_failed", request_id=req.request_id, error=str(e))
-        if self.requests.get(req.request_id) is not req:  # aborted while its prefix loaded
+        if self.requests.get(req.request_id) is not job:  # aborted while its prefix loaded
             return
-        self.queued_at[req.request_id] = time.perf_counter()
+        job.queued_at = time.perf_counter()
         try:
             embeds = await self.load_image_embeddings(req) if req.images else None
             await self.async_engine.add_request(
@@ -153,22 +166,18 @@ class PrefillService(EngineWorker):
             )
         except Exception as e:  # checked in on_submit: an engine failure
             self.requests.pop(req.request_id, None)
-            self.trace_contexts.pop(req.request_id, None)
-            self.queued_at.pop(req.request_id, None)
             log.warning("prefill_admit_failed", request_id=req.request_id, error=str(e))
             await self.mesh.publish(req.stream_subject, TokenChunk(
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
                 finish_reason="error", error=f"prefill failed: {e}"))
 
-    def was_aborted(self, req: PrefillRequest) -> bool:
-        return self.aborted.refuses(req.request_id, req.attempt)
+    def was_aborted(self, job: PrefillJob) -> bool:
+        return self.aborted.refuses(job.req.request_id, job.attempt)
 
     async def on_abort(self, msg: AbortRequest) -> None:
         running = self.requests.get(msg.request_id)
-        if running is not None and (msg.final or msg.attempt in (-1, running.attempt)):
+        if running is not None and (msg.final or reaches(msg.attempt, running.attempt)):
             del self.requests[msg.request_id]
-            self.trace_contexts.pop(msg.request_id, None)
-            self.queued_at.pop(msg.request_id, None)
             self.async_engine.abort(msg.request_id)
             self.num_aborted += 1
             if not msg.final:
@@ -179,12 +188,11 @@ class PrefillService(EngineWorker):
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            req = self.requests.pop(out.request_id, None)
-            if req is None:  # aborted meanwhile
+            job = self.requests.pop(out.request_id, None)
+            if job is None:  # aborted meanwhile
                 continue
-            ctx = self.trace_contexts.pop(req.request_id, None)
-            self.record_spans(req, out, ctx)
-            self.spawn(self.finish_in(ctx, req, out))
+            self.record_spans(job, out)
+            self.spawn(self.finish_in(job, out))
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -199,13 +207,14 @@ class PrefillService(EngineWorker):
         return await asyncio.get_running_loop().run_in_executor(
             self.io, self.embeddings.read, req.embeddings_fingerprint, req.images)
 
-    def record_spans(self, req: PrefillRequest, out: StepOutput, ctx: otel_context.Context | None) -> None:
+    @staticmethod
+    def record_spans(job: PrefillJob, out: StepOutput) -> None:
         """The engine's part of the request's trace, timed on the engine thread: ``prefill.queue``
         (in the engine until its first chunk ran), one ``prefill.forward`` per prompt chunk, and
         ``prefill.prefix`` (how its cached prefix was reused)."""
-        queued = self.queued_at.pop(req.request_id, None)
+        req, ctx, queued = job.req, job.trace_context, job.queued_at
         chunks = out.chunk_times
-        if queued is not None and chunks:
+        if queued and chunks:
             record_span("prefill.queue", queued, max(queued, chunks[0][0]), ctx)
         for i, (start, end, tokens) in enumerate(chunks):
             record_span("prefill.forward", start, end, ctx, {"deepinfer.chunk.index": i,
@@ -220,17 +229,17 @@ class PrefillService(EngineWorker):
                 "deepinfer.prefill.chunks": len(chunks),
             })
 
-    async def finish_in(self, ctx: otel_context.Context | None, req: PrefillRequest, out: StepOutput) -> None:
+    async def finish_in(self, job: PrefillJob, out: StepOutput) -> None:
         """``finish`` inside the request's trace context, its log lines naming the request."""
-        token = otel_context.attach(ctx) if ctx is not None else None
+        token = otel_context.attach(job.trace_context)
         try:
-            with structlog.contextvars.bound_contextvars(request_id=req.request_id):
-                await self.finish(req, out)
+            with structlog.contextvars.bound_contextvars(request_id=job.req.request_id):
+                await self.finish(job, out)
         finally:
-            if token is not None:
-                otel_context.detach(token)
+            otel_context.detach(token)
 
-    async def finish(self, req: PrefillRequest, out: StepOutput) -> None:
+    async def finish(self, job: PrefillJob, out: StepOutput) -> None:
+        req = job.req
         chunk = TokenChunk(request_id=req.request_id, token_ids=out.new_token_ids, role=self.role,
                            worker_id=self.worker_id, num_prompt_tokens=out.num_prompt_tokens,
                            num_cached_tokens=out.num_cached_tokens, logprobs=out.wire_logprobs(),
@@ -255,7 +264,7 @@ class PrefillService(EngineWorker):
             with tracer().start_as_current_span("prefill.store") as span:
                 keys, window_keys = await self.kv.save_prompt(req, out)
                 span.set_attribute("deepinfer.kv.blocks", len(keys))
-            if self.was_aborted(req):  # the gateway gave up on us and resumed it on decode itself
+            if self.was_aborted(job):  # the gateway gave up on us and resumed it on decode itself
                 log.info("handoff_skipped_aborted", request_id=req.request_id)
                 return
             handoff = DecodeRequest(
@@ -264,10 +273,10 @@ class PrefillService(EngineWorker):
                 kv_block_keys=keys, num_kv_tokens=out.num_kv_tokens, block_size=self.engine.config.block_size,
                 traffic_class=req.traffic_class, cache_salt=req.cache_salt, window_block_keys=window_keys,
                 num_exact_blocks=out.num_exact_blocks if out.num_exact_blocks < len(keys) else -1,
-                images=req.images, embeddings_fingerprint=req.embeddings_fingerprint,
+                images=req.images, embeddings_fingerprint=req.embeddings_fingerprint, attempt=job.attempt,
             )
             with tracer().start_as_current_span("prefill.handoff") as span:
-                reply = await self.hand_off(req, handoff)
+                reply = await self.hand_off(job, handoff)
                 span.set_attribute("deepinfer.decode_worker", reply.worker_id if reply else "")
             if reply is None:  # aborted while it waited for a decode worker
                 log.info("handoff_stopped_aborted", request_id=req.request_id)
@@ -278,14 +287,16 @@ class PrefillService(EngineWorker):
                 request_id=req.request_id, token_ids=[], role=self.role, worker_id=self.worker_id,
                 finish_reason="error", error=f"handoff to decode failed: {e}"))
 
-    async def hand_off(self, req: PrefillRequest, handoff: DecodeRequest) -> SubmitReply | None:
+    async def hand_off(self, job: PrefillJob, handoff: DecodeRequest) -> SubmitReply | None:
         """Submit to ``req.decode_worker`` if set, else (and after it refuses or does not answer)
-        to the decode queue group, each try a new ``attempt``, until a decode worker accepts it.
+        to the decode queue group, each try the next handoff of the submit's ``Attempt``
+        (``Attempt.next_handoff``), until a decode worker accepts it.
 
         A try without an answer in time is aborted (that attempt only: the next one may land on
         the same worker). Returns the accepting reply, or None once the request was aborted
         (the client left). Raises MeshError when no decode worker took it in ``HANDOFF_WAIT_S``.
         """
+        req = job.req
         deadline = time.monotonic() + HANDOFF_WAIT_S
         target, attempt, why = req.decode_worker, handoff.attempt, ""
         backoff = HANDOFF_RETRY_S[0]
@@ -306,12 +317,12 @@ class PrefillService(EngineWorker):
                 why, pause = f"no answer on {subject} within {timeout:.1f}s", 0.0
             except (MeshError, ProtocolError) as e:
                 why = f"{type(e).__name__}: {e}"
-            if self.was_aborted(req):
+            if self.was_aborted(job):
                 return None
-            if time.monotonic() + pause >= deadline or attempt + 1 >= HANDOFF_MAX_ATTEMPTS:
+            if time.monotonic() + pause >= deadline or attempt.handoff + 1 >= HANDOFF_MAX_ATTEMPTS:
                 raise MeshError(f"no decode worker took the request within {HANDOFF_WAIT_S:.0f}s ({why})")
             log.info("handoff_retry", request_id=req.request_id, attempt=attempt, reason=why)
-            target, attempt = None, attempt + 1
+            target, attempt = None, attempt.next_handoff()
             await asyncio.sleep(pause)
             backoff = min(2 * backoff, HANDOFF_RETRY_S[1])
 

@@ -11,7 +11,6 @@ layers, which attend to the cold run's cached KV), so its tokens must equal
 the cold run's.
 """
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -302,7 +301,7 @@ def test_the_prefix_path_is_a_trace_attribute(interleaved, texts, tmp_path, monk
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(prefill_service, "tracer", lambda: provider.get_tracer("test"))
     req = PrefillRequest("r", p2, SamplingParams(), "s")
-    PrefillService.record_spans(SimpleNamespace(queued_at={}), req, out, None)
+    PrefillService.record_spans(prefill_service.PrefillJob(req, req.attempt, None), out)
     (span,) = exporter.get_finished_spans()
     assert span.name == "prefill.prefix" and span.attributes["deepinfer.prefix.path"] == "bounded_replay"
     assert span.attributes["deepinfer.prefix.replayed_tokens"] == WINDOW

@@ -14,8 +14,8 @@ from deepinfer.gateway.registry import WorkerRegistry
 from deepinfer.gateway.router import BIAS_MAX_AGE_S, PromptShape, Router, RouterConfig
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
-from deepinfer.protocol import (AbortRequest, ErrorReply, LoadReport, PrefillRequest, SamplingParams, SubmitReply,
-                                subjects)
+from deepinfer.protocol import (AbortRequest, Attempt, ErrorReply, LoadReport, PrefillRequest, SamplingParams,
+                                SubmitReply, subjects)
 
 COST = dict(cost_a=0.01, cost_b=1e-4, cost_d=1e-9, cost_e=1e-6)  # seconds: step, token, token pair, key
 
@@ -300,12 +300,8 @@ def test_commit_passes_the_decode_choice_in_the_plan():
 
 
 # --- the load report the router relies on ------------------------------------------------------
-def test_queued_prefill_counts_chunks_in_flight_so_a_busy_worker_never_reads_idle():
-    """With async scheduling up to two chunks are launched (and counted computed) ahead; the
-    report must still show their compute until it is done, else a worker mid-prompt looks idle."""
-    import threading
-    import time
-
+def _prefill_mock():
+    """A prefill-only mock engine (chunks of ~0.1 s, 0.4 s alone) with a 2,500-token prompt queued."""
     from deepinfer.engine.interface import EngineConfig
     from deepinfer.engine.mock import MockConfig, MockEngine
     from deepinfer.models.convert import ensure_default_model
@@ -314,6 +310,39 @@ def test_queued_prefill_counts_chunks_in_flight_so_a_busy_worker_never_reads_idl
                    EngineConfig(prefill_only=True, step_time_budget_s=0.1, calibrate=True),
                    MockConfig(cost=(0.004, 2e-4, 1e-9, 1e-7)))
     e.add_request("a", [1000 + i % 5000 for i in range(2500)], SamplingParams(max_tokens=2))
+    return e
+
+
+def test_queued_prefill_counts_chunks_in_flight_so_a_busy_worker_never_reads_idle():
+    """With async scheduling up to two chunks are launched (and counted computed) ahead; the
+    report must still show their compute until it is done, else a worker mid-prompt looks idle.
+    Untimed: the report is read before each step, by hand, until the request's first token comes
+    back (``test_queued_prefill_follows_the_clock_while_chunks_run`` times it against the clock)."""
+    e = _prefill_mock()
+    total = e.queued_prefill()[1]
+    assert 0.45 < total < 0.6
+    readings, first_token = [], False
+    while e.has_unfinished() and not first_token:
+        readings.append(e.queued_prefill())  # the prompt is unfinished: its first token is not out
+        first_token = any(o.request_id == "a" and o.new_token_ids for o in e.step_async())
+    assert first_token
+    # before the first step, while the first chunk runs, while the last one runs (launched ahead)
+    assert len(readings) >= 3, readings
+    assert all(tok > 0 and sec > 0 for tok, sec in readings), readings  # never idle mid-prompt
+    # what is left never grows (up to re-reading the computed context in the next chunk: e·c, 0.2 ms)
+    secs = [sec for _, sec in readings]
+    assert all(later <= earlier + 1e-3 for earlier, later in zip(secs, secs[1:])), readings
+
+
+@pytest.mark.timing
+@pytest.mark.quiet  # the mock sleeps the modelled time: another test's load shows as its error
+def test_queued_prefill_follows_the_clock_while_chunks_run():
+    """Timed: read from another thread while the engine steps, the queued prefill seconds drain one
+    second of compute per second, and never read idle mid-prompt."""
+    import threading
+    import time
+
+    e = _prefill_mock()
     total = e.queued_prefill()[1]
     samples, done = [], threading.Event()
 
@@ -650,10 +679,12 @@ class FakeMesh:
     def __init__(self, script: dict):
         self.script = script
         self.calls: list[str] = []
+        self.requests: list = []  # the messages sent, in order
         self.published: list[tuple[str, object]] = []
 
     async def request(self, subject, msg, timeout, expect=None):
         self.calls.append(subject)
+        self.requests.append(msg)
         out = self.script[subject]
         if isinstance(out, Exception):
             raise out
@@ -685,9 +716,11 @@ async def test_a_chosen_worker_that_does_not_answer_is_aborted_before_the_next_i
     plan = router.plan("r", PromptShape(num_tokens=3))
     mesh = FakeMesh({subjects.prefill_submit("a"): RequestTimeout("slow"),
                      subjects.prefill_submit("b"): SubmitReply(True, "b")})
-    reply = await submit_prompt(mesh, _req(), plan, timeout_s=5)
-    assert reply.worker_id == "b"
-    assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r", attempt=1))]  # that attempt only
+    req = _req()
+    reply = await submit_prompt(mesh, req, plan, timeout_s=5)
+    assert reply.worker_id == "b" and req.attempt == Attempt(1)  # the accepted copy's
+    # that attempt only (the first: submit 0); the queue group's try is the next submit
+    assert mesh.published == [(subjects.abort("prefill", "a"), AbortRequest("r", attempt=Attempt(0)))]
 
 
 async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attempt(tmp_path):
@@ -704,29 +737,29 @@ async def test_a_prefill_worker_answers_at_once_and_drops_only_the_aborted_attem
                          mock=MockConfig())
     admitted, aborted = [], []
 
-    async def admit(req):
-        admitted.append((req.request_id, req.attempt))
+    async def admit(job):
+        admitted.append((job.req.request_id, job.attempt.submit))
 
     svc.load_and_queue = admit
     svc.async_engine = SimpleNamespace(abort=aborted.append)
 
     def attempt(n: int, prompt=(1, 2, 3)) -> PrefillRequest:
-        return PrefillRequest("r", list(prompt), SamplingParams(), "deepinfer.stream.r", attempt=n)
+        return PrefillRequest("r", list(prompt), SamplingParams(), "deepinfer.stream.r", attempt=Attempt(n))
 
-    await svc.on_abort(AbortRequest("r", attempt=1))  # the late copy of attempt 1, not here yet
+    await svc.on_abort(AbortRequest("r", attempt=Attempt(1)))  # the late copy of attempt 1, not here yet
     assert (await svc.on_submit(attempt(1))).error == "aborted"
     assert (await svc.on_submit(attempt(2))).accepted
     await asyncio.sleep(0)
     assert admitted == [("r", 2)] and "r" in svc.requests
-    await svc.on_abort(AbortRequest("r", attempt=1))  # a stale attempt's abort leaves attempt 2 alone
+    await svc.on_abort(AbortRequest("r", attempt=Attempt(1)))  # a stale attempt's abort leaves attempt 2 alone
     assert "r" in svc.requests and aborted == []
     held = svc.requests["r"]
     # the gateway timed attempt 2 out and sent attempt 3, which lands here too: the work goes on as 3
     assert (await svc.on_submit(attempt(3))).accepted
     await asyncio.sleep(0)
-    assert admitted == [("r", 2)] and svc.requests["r"].attempt == 3
+    assert admitted == [("r", 2)] and svc.requests["r"].attempt == Attempt(3)
     assert svc.requests["r"] is held  # the object ``admit`` holds: it must still find it registered
-    await svc.on_abort(AbortRequest("r", attempt=2))  # the abort of the attempt it gave up on
+    await svc.on_abort(AbortRequest("r", attempt=Attempt(2)))  # the abort of the attempt it gave up on
     assert "r" in svc.requests and aborted == []
     assert (await svc.on_submit(attempt(3))).error == "request already running here"  # a duplicate
     await svc.on_abort(AbortRequest("r"))  # any attempt: the client left
@@ -751,27 +784,33 @@ async def test_a_bad_request_is_not_retried_and_no_plan_means_the_queue_group():
 async def test_prefill_hands_off_to_the_chosen_decode_worker_else_the_queue_group():
     from types import SimpleNamespace
 
-    from deepinfer.prefill.service import PrefillService
+    from deepinfer.prefill.service import PrefillJob, PrefillService
     from deepinfer.protocol import DecodeRequest
 
     def service(mesh):
-        return SimpleNamespace(mesh=mesh, was_aborted=lambda req: False)
+        return SimpleNamespace(mesh=mesh, was_aborted=lambda job: False)
 
-    handoff = DecodeRequest("r", [1, 2], [3], SamplingParams(), "deepinfer.stream.r", [], 2, 16)
+    def job(req):
+        return PrefillJob(req, req.attempt, None)
+
+    handoff = DecodeRequest("r", [1, 2], [3], SamplingParams(), "deepinfer.stream.r", [], 2, 16, attempt=Attempt(4))
     chosen = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r", decode_worker="d1")
     ok = FakeMesh({subjects.decode_submit("d1"): SubmitReply(True, "d1")})
-    assert (await PrefillService.hand_off(service(ok), chosen, handoff)).worker_id == "d1"
+    assert (await PrefillService.hand_off(service(ok), job(chosen), handoff)).worker_id == "d1"
     assert ok.calls == [subjects.decode_submit("d1")]
     for failure in (SubmitReply(False, "d1", "draining"), NoResponders("gone"), RequestTimeout("slow")):
         mesh = FakeMesh({subjects.decode_submit("d1"): failure, subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
-        assert (await PrefillService.hand_off(service(mesh), chosen, handoff)).worker_id == "d2"
+        assert (await PrefillService.hand_off(service(mesh), job(chosen), handoff)).worker_id == "d2"
         assert mesh.calls == [subjects.decode_submit("d1"), subjects.DECODE_SUBMIT]
         timed_out = isinstance(failure, RequestTimeout)
-        # the abort names the timed-out attempt (0) only: the retry (attempt 1) may land on d1 again
-        assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r", 0))] if timed_out else [])
+        # the abort names the timed-out handoff (submit 4's handoff 0) only: the retry (its handoff 1)
+        # may land on d1 again
+        assert mesh.published == ([(subjects.abort("decode", "d1"), AbortRequest("r", Attempt(4, 0)))]
+                                  if timed_out else [])
+        assert [a.attempt for a in mesh.requests] == [Attempt(4, 0), Attempt(4, 1)]
     unchosen = FakeMesh({subjects.DECODE_SUBMIT: SubmitReply(True, "d2")})
     no_choice = PrefillRequest("r", [1, 2], SamplingParams(), "deepinfer.stream.r")
-    assert (await PrefillService.hand_off(service(unchosen), no_choice, handoff)).worker_id == "d2"
+    assert (await PrefillService.hand_off(service(unchosen), job(no_choice), handoff)).worker_id == "d2"
     assert unchosen.calls == [subjects.DECODE_SUBMIT]
 
 

@@ -35,3 +35,33 @@ def test_bad_messages_raise_protocol_error(data):
 def test_expect_rejects_other_types():
     with pytest.raises(ProtocolError):
         unpack(pack(ErrorReply(error="x")), expect=DecodeRequest)
+
+
+# --- attempts: which copy of a request a message belongs to --------------------------------------
+def test_attempts_order_by_submit_then_handoff_and_survive_the_wire():
+    from deepinfer.protocol import AbortRequest, Attempt
+
+    first, retry = Attempt(0, 0), Attempt(0, 0).next_handoff()  # prefill's queue-group retry
+    resume = retry.next_submit()  # the gateway's failover: newer than any handoff of an earlier submit
+    assert first < retry < resume == Attempt(1, 0) and Attempt(0, 50) < Attempt(1, 0)
+    assert sorted([resume, first, retry]) == [first, retry, resume]
+    chunk = unpack(pack(TokenChunk("r", [5], "decode", "w", attempt=retry)))
+    assert chunk.attempt == retry and isinstance(chunk.attempt, Attempt)
+    assert unpack(pack(TokenChunk("r", [5], "prefill", "w"))).attempt is None  # not said
+    assert unpack(pack(AbortRequest("r"))).attempt is None  # any copy
+    req = unpack(pack(DecodeRequest("r", [1], [2], SamplingParams(), "s", [], 1, 16, attempt=resume)))
+    assert req.attempt == resume
+
+
+def test_an_abort_reaches_its_own_attempt_or_any_and_the_ledger_refuses_what_it_names():
+    from deepinfer.protocol import AbortLedger, AbortRequest, Attempt, reaches
+
+    assert reaches(None, Attempt(3, 1)) and reaches(Attempt(0, 1), Attempt(0, 1))
+    assert not reaches(Attempt(0, 0), Attempt(0, 1)) and not reaches(Attempt(1, 0), Attempt(0, 0))
+    ledger = AbortLedger(capacity=2)
+    ledger.record(AbortRequest("a", Attempt(0, 0)))  # a timed-out handoff: that copy only
+    assert ledger.refuses("a", Attempt(0, 0)) and not ledger.refuses("a", Attempt(0, 1))
+    ledger.record(AbortRequest("b", Attempt(2, 0), final=True))  # the client left: every copy
+    assert ledger.refuses("b", Attempt(0, 0)) and ledger.refuses("b", Attempt(7, 3))
+    ledger.record(AbortRequest("c"))  # the oldest entry goes
+    assert len(ledger) == 2 and not ledger.refuses("a", Attempt(0, 0)) and ledger.refuses("c", Attempt(5, 5))

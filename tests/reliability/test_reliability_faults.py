@@ -30,7 +30,7 @@ import pytest
 from deepinfer.bench.soak import MockOracle, Outcome, chat_spec, send
 from deepinfer.launcher import Mesh, start_nats, start_redis
 from deepinfer.mesh import MeshClient
-from deepinfer.protocol import KVIndexHealth, KVIndexHealthRequest, subjects
+from deepinfer.protocol import Attempt, KVIndexHealth, KVIndexHealthRequest, subjects
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 from test_reliability_mesh import scrape
 
@@ -348,14 +348,15 @@ async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_scri
     """Open a gateway ``RequestStream`` for ``rid`` against scripted workers and read it to its end.
     ``prefill_script(publish)`` runs once the prefill is submitted; ``decode_script(publish, req)``
     once a decode submit (a resume) arrives, answered by ``decode_workers[-1]``. ``publish(tokens,
-    offset, worker, attempt, role="decode", final=False)`` sends a TokenChunk on the stream.
+    offset, worker, attempt, role="decode", final=False)`` sends a TokenChunk on the stream (an int
+    ``attempt`` is prefill's handoff number of the first submit, ``Attempt(0, attempt)``).
     ``timeouts``: the stream's (default: a 20 s inactivity limit, 0.1 s ticks); ``is_disconnected``:
     the client check ``next_chunk`` makes. Returns (tokens streamed, seconds, the decode submits,
     the aborts' attempts)."""
     from deepinfer.gateway.registry import WorkerRegistry
     from deepinfer.gateway.stream import RequestStream, StreamTimeouts
-    from deepinfer.protocol import (AbortRequest, DecodeRequest, LoadReport, PrefillRequest, SamplingParams,
-                                    SubmitReply, TokenChunk)
+    from deepinfer.protocol import (AbortRequest, Attempt, DecodeRequest, LoadReport, PrefillRequest,
+                                    SamplingParams, SubmitReply, TokenChunk)
 
     client = await MeshClient.connect(nats_url, "workers-t")
     gw_client = await MeshClient.connect(nats_url, "gateway-t")
@@ -363,8 +364,10 @@ async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_scri
     subject = subjects.stream(rid)
 
     async def publish(tokens, offset, worker, attempt, role="decode", final=False):
+        if isinstance(attempt, int):
+            attempt = Attempt(0, attempt)
         await client.publish(subject, TokenChunk(rid, tokens, role, worker, "length" if final else None,
-                                                 offset=offset, attempt=attempt if role == "decode" else -1))
+                                                 offset=offset, attempt=attempt if role == "decode" else None))
 
     def later(coro_fn):
         asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(coro_fn()))
@@ -465,8 +468,9 @@ async def test_a_gap_in_the_token_stream_resumes_from_what_the_client_has(nats_a
 
     got, _, resumes, aborts = await scripted_stream(nats_alone, "gap-1", want, prefill, decode)
     assert got == want  # no gap, no repeat
-    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == 101
-    assert 0 in aborts and 101 not in aborts and -1 not in aborts  # the old copy only
+    # the resume is the request's next submit (the first was submit 0)
+    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == Attempt(1)
+    assert Attempt(0, 0) in aborts and Attempt(1) not in aborts and None not in aborts  # the old copy only
 
 
 async def test_a_lost_first_token_resumes_from_the_prompt_alone(nats_alone):
@@ -488,8 +492,8 @@ async def test_a_lost_first_token_resumes_from_the_prompt_alone(nats_alone):
 
     got, _, resumes, aborts = await scripted_stream(nats_alone, "gap-first", want, prefill, decode)
     assert got == want
-    assert len(resumes) == 1 and resumes[0].output_token_ids == [] and resumes[0].attempt == 101
-    assert 0 in aborts and 101 not in aborts
+    assert len(resumes) == 1 and resumes[0].output_token_ids == [] and resumes[0].attempt == Attempt(1)
+    assert Attempt(0, 0) in aborts and Attempt(1) not in aborts
 
 
 # --- 8. the soak (``deepinfer bench soak``), briefly ------------------------------------------
@@ -554,8 +558,8 @@ async def test_a_newer_handoff_copy_behind_the_client_resumes_instead_of_stallin
     got, took, resumes, aborts = await scripted_stream(nats_alone, "copy-1", want, prefill, decode,
                                                        decode_workers=("decode-a", "decode-b"))
     assert got == want and took < 5, (got, took)  # complete, no repeat, no stall
-    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt >= 100
-    assert 1 in aborts  # the copy behind the client
+    assert len(resumes) == 1 and resumes[0].output_token_ids == want[:4] and resumes[0].attempt == Attempt(1)
+    assert Attempt(0, 1) in aborts  # the copy behind the client
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,15 +1,12 @@
-"""A decode worker refuses a handoff whose abort came first.
+"""Handoffs and the aborts that overtake them.
 
-On a loaded machine a prefill worker's handoff to the gateway's chosen decode worker can go
-unanswered for ``TARGET_HANDOFF_TIMEOUT_S`` while that worker's submit subscription is busy with
-earlier submits: prefill then sends it an abort and hands the request to the queue group. The abort
-reached the worker before the submit did, found nothing to drop and was forgotten; the late submit
-then ran. Two decode workers streamed the same request on one subject, the gateway (aborting the one
-it watched when the client left) let the other run to its last token: 3 of 1,000 cancelled streams,
-one still holding 109 KV blocks 16 s later. Prefill's abort now names its handoff attempt, and a
-decode worker remembers an attempt aborted before its submit and refuses that submit, while the
-retry through the queue group (the next attempt, which may land on the same worker: a mesh with one
-decode worker relies on it) and the gateway's resumes are still taken.
+A prefill worker's handoff to the gateway's chosen decode worker can go unanswered for
+``TARGET_HANDOFF_TIMEOUT_S`` while that worker's submit subscription is busy: prefill then aborts
+that handoff (its ``Attempt``) and hands the request to the queue group. The abort may reach the
+worker before the late submit does; the worker remembers it and refuses that submit, while the
+retry through the queue group (the submit's next handoff, which may land on the same worker: a
+mesh with one decode worker relies on it) and the gateway's resumes are still taken. Otherwise
+two decode workers would stream the same request on one subject.
 """
 
 from __future__ import annotations
@@ -24,7 +21,8 @@ from deepinfer.engine.mock import MockConfig
 from deepinfer.launcher import start_nats
 from deepinfer.mesh import MeshClient, NoResponders, RequestTimeout
 from deepinfer.models.convert import ensure_default_model
-from deepinfer.protocol import AbortRequest, DecodeRequest, SamplingParams, SubmitReply, TokenChunk, subjects, unpack
+from deepinfer.protocol import AbortRequest, Attempt, DecodeRequest, SamplingParams, SubmitReply, TokenChunk, subjects, unpack
+from waiting import eventually
 
 
 @pytest.fixture
@@ -34,7 +32,7 @@ def nats_url(tmp_path):
     proc.stop()
 
 
-def decode_request(request_id: str, attempt: int = 0) -> DecodeRequest:
+def decode_request(request_id: str, attempt: Attempt = Attempt()) -> DecodeRequest:
     return DecodeRequest(request_id=request_id, prompt_token_ids=list(range(300, 340)), output_token_ids=[500],
                          sampling=SamplingParams(max_tokens=4000, ignore_eos=True),  # ~4 s: still running at the checks
                          stream_subject=subjects.stream(request_id), kv_block_keys=[], num_kv_tokens=0, block_size=16,
@@ -54,38 +52,36 @@ async def test_a_decode_worker_refuses_a_handoff_aborted_before_it_arrived(nats_
 
             await client.nc.subscribe(subjects.stream(rid), cb=record)
         abort = subjects.abort("decode", "decode-t")
-        await client.publish(abort, AbortRequest("late", attempt=0))  # prefill gave up on its targeted handoff
-        await client.publish(abort, AbortRequest("gone", attempt=-1))  # a gateway abort of an id not here
+        await client.publish(abort, AbortRequest("late", attempt=Attempt(0, 0)))  # prefill gave up on its targeted handoff
+        await client.publish(abort, AbortRequest("gone", attempt=None))  # a gateway abort of an id not here
         # the client left while the handoff was on its way: the gateway's final abort, to every worker
         await client.publish(subjects.DECODE_ABORT_ANY, AbortRequest("over", final=True))
         await client.nc.flush()
         await asyncio.sleep(0.2)
 
-        async def submit(rid: str, attempt: int = 0) -> SubmitReply:
+        async def submit(rid: str, attempt: Attempt = Attempt()) -> SubmitReply:
             return await client.request(subjects.decode_submit("decode-t"), decode_request(rid, attempt), timeout=10,
                                         expect=SubmitReply)
 
         late = await submit("late")
-        over = [await submit("over", attempt) for attempt in (0, 1, 100)]  # every attempt of it
+        # every attempt of it: prefill's handoffs and a gateway resume (a later submit)
+        over = [await submit("over", attempt) for attempt in (Attempt(0, 0), Attempt(0, 1), Attempt(1, 0))]
         await asyncio.sleep(0.3)
         assert (late.accepted, late.error) == (False, "aborted")
         assert chunks["late"] == [] and "late" not in service.requests
         assert [(r.accepted, r.error) for r in over] == [(False, "aborted")] * 3 and chunks["over"] == []
-        retry = await submit("late", attempt=1)  # prefill's retry through the queue group landed here
-        assert retry.accepted and service.requests["late"].attempt == 1
-        await client.publish(abort, AbortRequest("late", attempt=0))  # a late copy of the first abort: no effect
+        retry = await submit("late", attempt=Attempt(0, 1))  # prefill's retry through the queue group landed here
+        assert retry.accepted and service.requests["late"].req.attempt == Attempt(0, 1)
+        await client.publish(abort, AbortRequest("late", attempt=Attempt(0, 0)))  # a late copy of the first abort: no effect
         normal, gone = await submit("normal"), await submit("gone")
-        await asyncio.sleep(0.5)
+        await eventually(lambda: len(chunks["late"]) > 1 and len(chunks["normal"]) > 1)  # both decoding
         assert "late" in service.requests and len(chunks["late"]) > 1
         assert normal.accepted and len(chunks["normal"]) > 1 and gone.accepted
         await client.publish(abort, AbortRequest("late"))
         await client.publish(subjects.DECODE_ABORT_ANY, AbortRequest("gone", final=True))  # any attempt running
         await client.publish(subjects.abort("decode", "decode-t"), AbortRequest("normal"))  # and drops them
         await client.nc.flush()
-        for _ in range(100):
-            if service.engine.block_manager.num_used_blocks == 0:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: service.engine.block_manager.num_used_blocks == 0, interval=0.05)
         assert service.engine.block_manager.num_used_blocks == 0 and not service.requests
         assert service.load_report().aborted_requests == 3
     finally:
@@ -107,11 +103,14 @@ async def prefill(nats_url, tmp_path):
     await service.stop()
 
 
-def prefill_request(request_id: str, decode_worker: str | None = None):
+def prefill_job(request_id: str, decode_worker: str | None = None):
+    """A prefill worker's state of a request at its handoff (submit 0)."""
+    from deepinfer.prefill.service import PrefillJob
     from deepinfer.protocol import PrefillRequest
 
-    return PrefillRequest(request_id, list(range(300, 340)), SamplingParams(max_tokens=8), subjects.stream(request_id),
-                          decode_worker=decode_worker)
+    req = PrefillRequest(request_id, list(range(300, 340)), SamplingParams(max_tokens=8), subjects.stream(request_id),
+                         decode_worker=decode_worker)
+    return PrefillJob(req, req.attempt, None)
 
 
 async def fake_decode_group(client: MeshClient, answers: list[bool], seen: list[DecodeRequest]) -> None:
@@ -132,7 +131,7 @@ async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefi
             await asyncio.sleep(10)
 
         await client.subscribe(subjects.decode_submit("decode-busy"), busy, concurrent=True)
-        aborts: list[tuple[str, int]] = []
+        aborts: list[tuple[str, Attempt]] = []
         async def on_abort(m):
             aborts.append(("decode-busy", unpack(m.data, expect=AbortRequest).attempt))
 
@@ -147,11 +146,12 @@ async def test_a_busy_decode_worker_delays_a_handoff_instead_of_failing_it(prefi
                 await asyncio.sleep(0.1)
             except RequestTimeout:
                 break
-        req = prefill_request("busy-1", decode_worker="decode-busy")
-        reply = await prefill.hand_off(req, decode_request("busy-1"))
+        job = prefill_job("busy-1", decode_worker="decode-busy")
+        reply = await prefill.hand_off(job, decode_request("busy-1"))
         assert reply.accepted and reply.worker_id == "decode-group"
-        assert [r.attempt for r in seen] == [1, 2, 3]  # each try a new attempt, after the targeted one (0)
-        assert aborts == [("decode-busy", 0)]  # the unanswered try was called off, that attempt only
+        # each try the submit's next handoff, after the targeted one (0)
+        assert [r.attempt for r in seen] == [Attempt(0, 1), Attempt(0, 2), Attempt(0, 3)]
+        assert aborts == [("decode-busy", Attempt(0, 0))]  # the unanswered try was called off, that attempt only
     finally:
         await client.close()
 
@@ -169,7 +169,7 @@ async def test_a_final_abort_stops_a_handoff_that_waits_for_a_decode_worker(pref
 
         asyncio.get_running_loop().create_task(leave())
         t0 = asyncio.get_running_loop().time()
-        reply = await prefill.hand_off(prefill_request("gone-1"), decode_request("gone-1"))
+        reply = await prefill.hand_off(prefill_job("gone-1"), decode_request("gone-1"))
         assert reply is None and asyncio.get_running_loop().time() - t0 < 2.0
         assert 1 <= len(seen) <= 5
     finally:
@@ -187,7 +187,7 @@ async def test_a_handoff_no_decode_worker_takes_fails_after_its_bound(prefill, n
         await fake_decode_group(client, [], seen)
         await client.nc.flush()
         with pytest.raises(MeshError, match="no decode worker took the request within 1s .*no room"):
-            await prefill.hand_off(prefill_request("full-1"), decode_request("full-1"))
+            await prefill.hand_off(prefill_job("full-1"), decode_request("full-1"))
         assert len(seen) >= 2
     finally:
         await client.close()
