@@ -11,6 +11,11 @@ the same launcher code that ``deepinfer up`` uses.
 - ``@pytest.mark.quiet``: a test that measures latency against a bound runs
   alone: under ``-n N`` the other test workers finish their current test and
   wait (``cpu_turn``), so another test's load is not measured as its own.
+- ``@pytest.mark.timing``: a test that asserts a wall-clock or memory bound (a benchmark in
+  disguise: it can fail because the machine is slow or busy, not because the behaviour broke). It
+  is deselected unless the ``-m`` expression mentions ``timing`` (``pytest -m timing``, or
+  ``-m "timing or not timing"`` for everything); its behaviour is checked untimed by a sibling test
+  in the default run.
 
 Logs of every process are kept under pytest's temporary directory
 (``<basetemp>/mesh*/logs``) for debugging a failed run.
@@ -37,7 +42,8 @@ import pytest
 from deepinfer.launcher import Mesh, start_nats, start_redis
 
 # tests/ mirrors the source folders (engine/, gateway/, kvstore/, mesh/, ...); a test module imports the
-# shared helpers here (model_helpers, gateway_harness, cli_args) and other modules' helpers by file name
+# shared helpers here (model_helpers, gateway_harness, cli_args, waiting: polls with a deadline) and other
+# modules' helpers by file name
 TESTS = Path(__file__).resolve().parent
 TEST_FOLDERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name[0] not in "._")
 for _folder in (TESTS, *TEST_FOLDERS):
@@ -216,7 +222,13 @@ def _test_level(path: Path) -> str:
 
 def pytest_collection_modifyitems(config, items):
     """Every test is marked ``unit`` (in-process, no servers: ``pytest -m unit``) or ``integration``
-    (``_test_level`` of its module), unless it carries one of the two itself."""
+    (``_test_level`` of its module), unless it carries one of the two itself. ``timing`` tests are
+    deselected unless the ``-m`` expression mentions ``timing``."""
     for item in items:
         if item.get_closest_marker("unit") is None and item.get_closest_marker("integration") is None:
             item.add_marker(_test_level(Path(item.fspath)))
+    if "timing" not in (config.option.markexpr or ""):
+        timed = [item for item in items if item.get_closest_marker("timing") is not None]
+        if timed:
+            config.hook.pytest_deselected(items=timed)
+            items[:] = [item for item in items if item.get_closest_marker("timing") is None]

@@ -4,7 +4,6 @@ through a real nats-server: MoE decode workers -> stats -> balancer -> placement
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from deepinfer.models.expert_placement import ExpertPlacement
 from deepinfer.protocol import (BalancerStatus, BalancerStatusRequest, DecodeRequest, ExpertPlacementUpdate,
                                 ExpertStats, SamplingParams, subjects, unpack)
 from model_helpers import prompts, save_tiny
+from waiting import eventually
 
 L, E = 2, 8
 
@@ -129,15 +129,6 @@ def moe_dir(tmp_path_factory):
     return path
 
 
-async def eventually(fn, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.05)
-    return value
-
-
 async def generate(client: MeshClient, worker: str, ps: list[list[int]], tag: str) -> list[list[int]]:
     """Submit every prompt to one decode worker at once; the greedy tokens of each."""
     out = {i: [] for i in range(len(ps))}
@@ -199,14 +190,15 @@ async def test_workers_stats_reach_the_balancer_and_its_placement_reaches_every_
         assert first[0] == first[1]
 
         # the loop: reports -> balancer -> placement -> both workers apply it
-        update = await eventually(lambda: next((m for m in seen if isinstance(m, ExpertPlacementUpdate)), None))
+        update = await eventually(lambda: next((m for m in seen if isinstance(m, ExpertPlacementUpdate)), None),
+                                    timeout=20)
         assert update.model == model_id(moe_dir) and update.version == 1 and update.policy == "global"
         assert update.imbalance_after < update.imbalance_before
-        await eventually(lambda: all(w.engine.model.expert_placement_version >= 1 for w in workers))
+        await eventually(lambda: all(w.engine.model.expert_placement_version >= 1 for w in workers), timeout=20)
         balancer.config.threshold = 0  # no more rebalancing from here (period_s is 0 too): a fixed placement
         await asyncio.sleep(3 * balancer.config.window_s)  # a tick in progress publishes
         version = balancer.models[update.model].version
-        await eventually(lambda: all(w.engine.model.expert_placement_version == version for w in workers))
+        await eventually(lambda: all(w.engine.model.expert_placement_version == version for w in workers), timeout=20)
         placement = workers[0].engine.model.expert_placement()
         assert placement.num_slots == 12 and placement.num_ranks == 4
         assert torch.equal(workers[1].engine.model.expert_placement().phy2log, placement.phy2log)
@@ -247,7 +239,7 @@ async def test_workers_stats_reach_the_balancer_and_its_placement_reaches_every_
             model=update.model, version=version + 2, phy2log=[[0] * 12] * L, log2phy=[[[0]] * E] * L,
             logcnt=[[1] * E] * L, num_ranks=4))
         assert await generate(client, "decode-t2", ps, "c2") == first[0]
-        await eventually(lambda: all(w.experts.refused == 2 for w in [*workers, late]))
+        await eventually(lambda: all(w.experts.refused == 2 for w in [*workers, late]), timeout=20)
         assert all(w.engine.model.expert_placement_version == version for w in [*workers, late])
     finally:
         for w in [*workers, late]:

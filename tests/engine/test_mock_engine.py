@@ -21,6 +21,7 @@ from deepinfer.kvstore import BlockStore, block_hashes, model_fingerprint
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from deepinfer.protocol import LoadReport, SamplingParams, subjects, unpack
+from waiting import eventually
 
 SP = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 FAST = MockConfig(cost=(0.001, 1e-6, 0.0, 0.0))  # ~1 ms steps: tests that do not time
@@ -80,6 +81,23 @@ def test_mock_schedules_chunks_preempts_and_hits_the_prefix_cache_like_the_real_
     assert computed < queried and hits >= 80 and peak >= 2 and (preemptions > 0 or overlapped)
 
 
+def test_steps_are_chunked_by_the_time_budget(model_dir):
+    """Untimed: with the cost model held at the timing model (no refits from measured, load-dependent
+    step times), every step's predicted cost fits the 0.06 s budget, the prefill chunks fill it, and
+    the 600-token prompt is cut into chunks (``test_step_time_follows_the_timing_model`` times the steps)."""
+    timing = (0.02, 2e-4, 1e-7, 2e-5)
+    e = MockEngine(model_dir, EngineConfig(step_time_budget_s=0.06, calibrate=True), MockConfig(cost=timing))
+    e.cost_model.refit_every, e.cost_model.refit_error = 10**9, float("inf")  # chunks by the timing model alone
+    run(e, [("a", prompt(1, 600), SP), ("b", prompt(2, 200), SP), ("c", prompt(3, 40), SP)])
+    model = StepCostModel(*timing)
+    predicted = [model.a * f[0] + model.b * f[1] + model.d * f[2] + model.e * f[3] for f, _ in e.cost_model.samples]
+    assert len(predicted) > 8 and max(f[1] for f, _ in e.cost_model.samples) < 600  # chunked by time
+    assert all(p <= 0.06 + 1e-9 for p in predicted), predicted  # within the budget
+    assert max(predicted) > 0.9 * 0.06, predicted  # ... and cut by it (chunks fill the budget)
+    assert e.cost_model.num_fits == 0
+
+
+@pytest.mark.timing
 @pytest.mark.quiet  # the mock sleeps the modelled time: another test's load shows as its error
 def test_step_time_follows_the_timing_model(model_dir):
     timing = (0.02, 2e-4, 1e-7, 2e-5)
@@ -302,18 +320,19 @@ def test_mock_workers_report_their_engine_cost_model_and_work(mock_mesh):
     async def collect() -> dict[str, LoadReport]:
         mc = await MeshClient.connect(mock_mesh.nats_url, "test-observer")
         reports: dict[str, LoadReport] = {}
+        heard: dict[str, int] = {}
 
         async def on_load(msg):
             r = unpack(msg.data)
             if isinstance(r, LoadReport) and r.role in ("prefill", "decode"):
                 reports[r.worker_id] = r
+                heard[r.worker_id] = heard.get(r.worker_id, 0) + 1
 
         await mc.nc.subscribe(subjects.LOAD_ALL, cb=on_load)
-        deadline = time.monotonic() + 5
-        while len(reports) < 4 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(0.6)  # one more heartbeat each
-        await mc.close()
+        try:  # each of the 4 workers' reports, and one more each (the first heard may predate the work's end)
+            await eventually(lambda: len(heard) >= 4 and min(heard.values()) >= 2, timeout=10)
+        finally:
+            await mc.close()
         return reports
 
     reports = asyncio.run(collect())

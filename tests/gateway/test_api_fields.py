@@ -32,7 +32,8 @@ from deepinfer.gateway import anthropic_api, openai_schema, responses_api
 from deepinfer.gateway.unsupported import Refused
 from deepinfer.protocol import subjects
 from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
-from test_gateway import TOKENIZER, assert_openai_error, eventually, stream_events
+from test_gateway import TOKENIZER, assert_openai_error, stream_events
+from waiting import eventually
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the test files named below are in its folders
 HELLO = [{"role": "user", "content": "Say hello"}]

@@ -53,6 +53,7 @@ from deepinfer.protocol import (
 )
 from deepinfer.launcher import free_port, start_nats
 from deepinfer.telemetry import configure_tracing
+from waiting import eventually
 
 
 MODEL_DIR = ensure_default_model(progress=False)  # converts once on a fresh machine
@@ -348,13 +349,6 @@ async def stream_events(client: httpx.AsyncClient, body: dict) -> list:
 def streamed_text(events: list) -> str:
     return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
                    if isinstance(e, dict) and e.get("choices"))
-
-
-async def eventually(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -744,17 +738,21 @@ async def test_client_disconnect_mid_stream_aborts_it_on_every_worker(client, ga
 
 
 async def test_a_full_decode_worker_gets_requests_refused_up_front_with_429(client, gateway, workers, script):
+    def kv_used() -> int | None:  # the decode worker's KV in use, as its last report in the gateway says
+        return next((w.report.kv_tokens_used for w in gateway.app.state.gateway.registry.alive("decode")
+                     if w.report.worker_id == DECODE_ID), None)
+
     script(text="fine")
     workers.report_fields[DECODE_ID] = {"kv_tokens_used": 1000, "kv_tokens_capacity": 1000}
     try:
-        await asyncio.sleep(3 * HEARTBEAT_S)
+        await eventually(lambda: kv_used() == 1000)  # a full report reached the gateway
         submitted = len(workers.prefill_requests)
         r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["code"] == "decode_full" and len(workers.prefill_requests) == submitted
     finally:
         workers.report_fields.pop(DECODE_ID)
-    await asyncio.sleep(3 * HEARTBEAT_S)
+    await eventually(lambda: kv_used() == 0)  # ... and then one with room again
     r = await client.post("/v1/chat/completions", json=chat_body(gateway.model))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine"
 

@@ -16,7 +16,8 @@ import pytest_asyncio
 
 from deepinfer.protocol import subjects
 from gateway_harness import SMALL_BODY_LIMIT, client, gateway, nats_url, script, sse_events, workers  # noqa: F401
-from test_gateway import UNICODE_TEXT, encode, eventually, render
+from test_gateway import UNICODE_TEXT, encode, render
+from waiting import eventually
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -29,11 +29,11 @@ from test_gateway import (
     assert_openai_error,
     chat_body,
     encode,
-    eventually,
     render,
     start_nats_server,
     stream_events,
 )
+from waiting import eventually
 
 EOS_TEXT = "<|im_end|>"
 

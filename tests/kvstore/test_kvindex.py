@@ -27,6 +27,7 @@ from deepinfer.kvstore.store import ephemeral_key
 from deepinfer.launcher import start_nats, start_redis
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import KVEvent, KVIndexHealth, KVLookupRequest, pack, subjects, unpack
+from waiting import eventually
 
 FP = "fp0123456789abcd"
 DAY = 86400.0
@@ -43,18 +44,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
-
-
-async def eventually(fn, timeout: float = 5.0, interval: float = 0.02):
-    """Await ``fn()`` until it returns a truthy value; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last: {value!r})")
-        await asyncio.sleep(interval)
 
 
 def chain(n: int, salt: int = 0) -> list[str]:
@@ -533,6 +522,16 @@ async def test_a_redis_never_reached_is_logged_once_not_kept_quiet(make_index, c
     from deepinfer.launcher import free_port
 
     svc, client, _, _ = await make_index(FakeClock(), redis=f"redis://127.0.0.1:{free_port()}")
-    await asyncio.sleep(0.5)  # several watchdog checks (every 0.1 s)
+    checks, check_redis = [], svc.check_redis
+
+    async def counted():
+        try:
+            return await check_redis()
+        finally:
+            checks.append(svc.redis_ok)
+
+    svc.check_redis = counted  # (the watchdog looks it up at each check)
+    await eventually(lambda: len(checks) >= 4)  # several watchdog checks (every 0.1 s), each one failed
+    assert not any(checks)
     assert not svc.redis_ok and not svc.leading
     assert capsys.readouterr().out.count("redis_down") == 1

@@ -54,7 +54,6 @@ def test_ephemeral_keys_are_path_safe():
 
 # ---------------------------------------------------------------- format v2, read_into
 
-import asyncio  # noqa: E402
 import json  # noqa: E402
 import struct  # noqa: E402
 import threading  # noqa: E402
@@ -64,6 +63,7 @@ import pytest  # noqa: E402
 from deepinfer.kvstore import AsyncBlockStore  # noqa: E402
 from deepinfer.kvstore.format import FORMAT_VERSION, MAGIC, PREFIX, read_header  # noqa: E402
 from deepinfer.kvstore.scan import scan_blocks  # noqa: E402
+from waiting import eventually  # noqa: E402
 
 
 def test_header_records_fingerprint_key_and_tokens(tmp_path):
@@ -256,7 +256,7 @@ async def test_write_behind_returns_at_once_and_flush_writes_everything(tmp_path
     assert not any(astore.store.contains(f"k{i}", "chat") for i in range(6))
     gate.set()
     assert await astore.aflush(5)
-    await asyncio.sleep(0.01)
+    await eventually(lambda: done)  # on_done runs on this loop, scheduled by the writer thread
     assert [r.status for r in done[0]] == ["written"] * 6
     out = torch.empty(6, 2, 16)
     assert await astore.read_prefix_into([f"k{i}" for i in range(6)], "chat", out) == 6
@@ -295,7 +295,7 @@ async def test_unwritable_root_skips_writes_without_raising(tmp_path):
         assert astore.submit_put(f"k{i}", torch.zeros(8), on_done=results.extend)
     assert await astore.aflush(5)
     assert await astore.put("k9", torch.zeros(8)) == 0  # the awaited write does not raise either
-    await asyncio.sleep(0.01)
+    await eventually(lambda: len(results) >= 3)  # the three on_done callbacks, run on this loop
     assert [r.status for r in results] == ["error"] * 3
     assert astore.stats.snapshot()["write_errors"] == 4 and astore.stats.snapshot()["writes"] == 0
     assert await astore.read_into("k0", "chat", torch.empty(8)) is False

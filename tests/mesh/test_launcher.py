@@ -23,6 +23,7 @@ from deepinfer.launcher import (
     start_nats,
     start_redis,
 )
+from waiting import wait_for
 
 PY = sys.executable
 
@@ -98,9 +99,7 @@ def test_stop_kills_stragglers_that_ignore_sigterm(tmp_path):
         """
     )
     p = ManagedProcess("straggler", [PY, "-c", script], tmp_path / "straggler.log")
-    deadline = time.monotonic() + 10
-    while "ready" not in p.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: "ready" in p.log_tail(), timeout=10, interval=0.02)
     p.stop(timeout=5)
     assert not p.alive
     assert group_gone(p.pgid)
@@ -112,9 +111,7 @@ def test_stop_kills_stragglers_that_ignore_sigterm(tmp_path):
 def test_stop_escalates_to_sigkill(tmp_path):
     script = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
     p = ManagedProcess("stubborn", [PY, "-c", script], tmp_path / "stubborn.log")
-    deadline = time.monotonic() + 10
-    while "ready" not in p.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: "ready" in p.log_tail(), timeout=10, interval=0.02)
     t0 = time.monotonic()
     rc = p.stop(timeout=0.5)
     assert time.monotonic() - t0 < 3
@@ -126,9 +123,7 @@ def test_stop_escalates_to_sigkill(tmp_path):
 
 def test_kill_and_log_tail(tmp_path):
     p = ManagedProcess("sleeper", ["sh", "-c", "echo hello; echo world; sleep 60"], tmp_path / "s.log")
-    deadline = time.monotonic() + 5
-    while "world" not in p.log_tail() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: "world" in p.log_tail(), timeout=5, interval=0.02)
     assert p.alive and p.returncode is None
     assert p.log_tail(1).strip() == "world"
     p.kill()
@@ -142,9 +137,7 @@ def test_kill_and_log_tail(tmp_path):
 
 def test_exited_process_reports_code(tmp_path):
     p = ManagedProcess("quick", ["sh", "-c", "exit 3"], tmp_path / "q.log")
-    deadline = time.monotonic() + 5
-    while p.alive and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: not p.alive, timeout=5, interval=0.02)
     assert p.returncode == 3
     assert p.stop() == 3
 

@@ -30,6 +30,7 @@ from deepinfer.launcher import Mesh
 from deepinfer.mesh import MeshClient
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 from deepinfer.protocol import LoadReport, subjects, unpack
+from waiting import eventually
 
 MODEL = DEFAULT_MODEL_NAME
 FAST_START = ["--no-calibrate", "--kv-cache-gb", "0.25"]  # real workers: start in seconds, not minutes
@@ -283,12 +284,16 @@ def test_a_request_queued_behind_a_full_batch_outwaits_the_inactivity_limit(make
     kw = dict(model=MODEL, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
               stream=True, stream_options={"include_usage": True})
 
+    decoding = asyncio.Event()  # the first request's first token came
+
     async def one(i: int) -> tuple[int, float]:
         sent, first, tokens = time.monotonic(), None, 0
         async for c in await client.chat.completions.create(
                 messages=[{"role": "user", "content": f"Story {i}, please."}], **kw):
             if first is None and c.choices and c.choices[0].delta.content:
                 first = time.monotonic()
+                if i == 0:
+                    decoding.set()
             if c.usage:
                 tokens = c.usage.completion_tokens
         return tokens, first - sent
@@ -296,7 +301,7 @@ def test_a_request_queued_behind_a_full_batch_outwaits_the_inactivity_limit(make
     async def both():
         try:
             first = asyncio.ensure_future(one(0))
-            await asyncio.sleep(1.0)  # the first is decoding
+            await eventually(lambda: decoding.is_set() or first.done(), timeout=30)  # the first is decoding
             second = await one(1)
             return await first, second
         finally:
