@@ -19,7 +19,7 @@ import uvicorn
 
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
-from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.gateway.stream.request_stream import StreamTimeouts
 from deepinfer.launcher import free_port
 from deepinfer.mesh import MeshClient
 from test_gateway import MAX_MODEL_LEN, MODEL_DIR, FakeWorkers, InProcessGateway, Script, start_nats_server

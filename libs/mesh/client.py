@@ -97,7 +97,7 @@ class MeshClient:
     @property
     def reconnects(self) -> int:
         """Times the connection came back after a loss (nats-py's count): what was in flight then
-        may be lost (the gateway's streams look for gaps and silence after each, ``gateway/stream.py``)."""
+        may be lost (the gateway's streams look for gaps and silence after each, ``gateway/stream/request_stream.py``)."""
         return self.nc.stats["reconnects"]
 
     @classmethod

@@ -173,7 +173,7 @@ class PrefillRequest:
     """gateway -> prefill: run the prompt, emit the first token, hand off to decode.
 
     stream_subject: where every ``TokenChunk`` of this request is published.
-    decode_worker: the decode worker the gateway's router chose (``deepinfer.gateway.router``);
+    decode_worker: the decode worker the gateway's router chose (``deepinfer.gateway.pipeline.router``);
     prefill hands off to ``decode_submit(decode_worker)``, and to the decode queue group when
     it is None or that worker refuses or does not answer.
     """

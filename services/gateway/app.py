@@ -1,9 +1,9 @@
 """FastAPI app: routes, the NATS connection's lifespan, and a root trace span per HTTP request.
 
-Routes: POST /v1/chat/completions (``chat.py``), POST /v1/completions
-(``completions.py``), POST /v1/responses + GET/DELETE /v1/responses/{id}
-(``responses_api.py``), POST /v1/messages (``anthropic_api.py``), POST /tokenize and
-POST /detokenize (vLLM's, ``tokenize_api.py``), GET /v1/models,
+Routes: POST /v1/chat/completions (``api/chat.py``), POST /v1/completions
+(``api/completions.py``), POST /v1/responses + GET/DELETE /v1/responses/{id}
+(``api/responses.py``), POST /v1/messages (``api/messages.py``), POST /tokenize and
+POST /detokenize (vLLM's, ``api/tokenize.py``), GET /v1/models,
 GET /v1/models/{id}, GET /health (200 when a tokenizer, a prefill and a decode
 worker are alive, else 503; the body counts live workers by role), GET /metrics
 (Prometheus text format: ``metrics.py``, docs/observability.md). GET /openapi.json describes them,
@@ -24,20 +24,20 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from deepinfer.gateway import metrics as gateway_metrics
-from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.anthropic_api import CountTokensRequest, MessagesRequest
-from deepinfer.gateway.anthropic_api import add_routes as add_anthropic_routes
-from deepinfer.gateway.chat import create_chat_completion
-from deepinfer.gateway.completions import create_completion
-from deepinfer.gateway.pipeline import REQUEST_SPAN, Gateway
-from deepinfer.gateway.limits import BodyLimitMiddleware
+from deepinfer.gateway.api import openai_schema as oai
+from deepinfer.gateway.api.messages import CountTokensRequest, MessagesRequest
+from deepinfer.gateway.api.messages import add_routes as add_anthropic_routes
+from deepinfer.gateway.api.chat import create_chat_completion
+from deepinfer.gateway.api.completions import create_completion
+from deepinfer.gateway.pipeline.generation import REQUEST_SPAN, Gateway
+from deepinfer.gateway.api.limits import BodyLimitMiddleware
 from deepinfer.gateway.config import GatewayConfig, ModelInfo, load_model
-from deepinfer.gateway.errors import OpenAIError, install_error_handlers
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.responses_api import ResponsesRequest
-from deepinfer.gateway.responses_api import add_routes as add_responses_routes
-from deepinfer.gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
-from deepinfer.gateway.tokenize_api import add_routes as add_tokenize_routes
+from deepinfer.gateway.api.errors import OpenAIError, install_error_handlers
+from deepinfer.gateway.pipeline.registry import WorkerRegistry
+from deepinfer.gateway.api.responses import ResponsesRequest
+from deepinfer.gateway.api.responses import add_routes as add_responses_routes
+from deepinfer.gateway.api.tokenize import DetokenizeRequest, TokenizeRequest
+from deepinfer.gateway.api.tokenize import add_routes as add_tokenize_routes
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import PrefillBooked, subjects
 from deepinfer.telemetry import extract_context, get_logger, tracer

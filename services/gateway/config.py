@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepinfer.gateway.admission import AdmissionConfig
-from deepinfer.gateway.detokenizer import Decoder
-from deepinfer.gateway.router import RouterConfig
-from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.gateway.pipeline.admission import AdmissionConfig
+from deepinfer.gateway.stream.detokenizer import Decoder
+from deepinfer.gateway.pipeline.router import RouterConfig
+from deepinfer.gateway.stream.request_stream import StreamTimeouts
 
 # config.json keys that carry the context length, by model family, in order of preference.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
@@ -44,16 +44,16 @@ class GatewayConfig:
     # "disagg": prefill workers compute prompts and hand off to decode workers; "agg" (aggregated):
     # each request goes to one worker (the decode service) that prefills and decodes it
     mode: str = "disagg"
-    routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (router.py)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (admission.py)
-    # images (vision-language models, images.py): the largest image accepted (data: URL after base64,
+    routing: RouterConfig = field(default_factory=RouterConfig)  # prefill / decode routing (pipeline/router.py)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # 429 limits (pipeline/admission.py)
+    # images (vision-language models, api/images.py): the largest image accepted (data: URL after base64,
     # or fetched; within NATS's default 1 MiB max_payload), how long fetching a remote image_url may
     # take in all, how many images one request may carry, how long the vision service may take for them
     max_image_bytes: int = 768 << 10
     image_fetch_timeout_s: float = 10.0
     max_images: int = 8
     vision_timeout_s: float = 60.0
-    # remote image URLs (image_fetch.py): fetched at all; from private / loopback / link-local
+    # remote image URLs (api/image_fetch.py): fetched at all; from private / loopback / link-local
     # addresses too; only from these hosts (empty: any)
     allow_remote_images: bool = True
     allow_private_image_urls: bool = False

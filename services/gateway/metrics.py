@@ -4,7 +4,7 @@
   (``deepinfer_http_requests_total``); a generation request answered 2xx/3xx observes
   ``deepinfer_e2e_request_latency_seconds`` when its last byte is sent (streams too). It
   records the request's arrival, the start of its time to first token.
-* ``on_chunk`` / ``on_finished`` (called by ``pipeline``): time to first token, inter-token
+* ``on_chunk`` / ``on_finished`` (called by ``pipeline.generation``): time to first token, inter-token
   latency, generated and prompt tokens, and each choice's finish reason.
 * ``GatewayCollector``: read at each scrape of ``GET /metrics`` (on the event loop): streams
   in flight and waiting for their first token (the admission's queue), admission refusals
@@ -92,7 +92,7 @@ def _now_request() -> _Request:
 
 @dataclass
 class ChoiceTiming:
-    """A choice's metric state (``pipeline.Choice.timing``): created in the request's context."""
+    """A choice's metric state (``pipeline.generation.Choice.timing``): created in the request's context."""
 
     request: _Request = field(default_factory=_now_request)
     last_token_at: float = 0.0  # monotonic time of its latest token (0: none yet)

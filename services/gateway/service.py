@@ -17,11 +17,11 @@ import uuid
 
 import uvicorn
 
-from deepinfer.gateway.admission import DEFAULT_MAX_QUEUED_PREFILL_S, AdmissionConfig
+from deepinfer.gateway.pipeline.admission import DEFAULT_MAX_QUEUED_PREFILL_S, AdmissionConfig
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig
-from deepinfer.gateway.router import PREFILL_POLICIES, RouterConfig
-from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.gateway.pipeline.router import PREFILL_POLICIES, RouterConfig
+from deepinfer.gateway.stream.request_stream import StreamTimeouts
 from deepinfer.mesh.args import env_bool, log_level
 from deepinfer.telemetry import configure_logging, configure_tracing, shutdown_tracing
 
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def add_image_args(p: argparse.ArgumentParser) -> None:
-    """The image settings (vision-language models; ``images``, ``image_fetch``). NOTE: argparse
+    """The image settings (vision-language models; ``api.images``, ``api.image_fetch``). NOTE: argparse
     applies ``type`` to a string default, so a bad environment value is a usage error, not a crash."""
     env, d = os.environ.get, GatewayConfig()
     try:

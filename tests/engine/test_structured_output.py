@@ -21,7 +21,7 @@ from deepinfer.engine.sampler import sample
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import (GrammarCompiler, StructuredOutputError, allocate_bitmask, apply_bitmask,
                                          compile_grammar, spec_key)
-from deepinfer.gateway.tools import ToolCallParser, strict_tool_call_grammar, tool_call_grammar
+from deepinfer.gateway.api.tools import ToolCallParser, strict_tool_call_grammar, tool_call_grammar
 from deepinfer.models.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from deepinfer.protocol import PrefillRequest, SamplingParams, pack, unpack
 

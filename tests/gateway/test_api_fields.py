@@ -28,8 +28,8 @@ import pytest
 import typing_extensions
 from pydantic import BaseModel, ValidationError
 
-from deepinfer.gateway import anthropic_api, openai_schema, responses_api
-from deepinfer.gateway.unsupported import Refused
+from deepinfer.gateway.api import messages, openai_schema, responses
+from deepinfer.gateway.api.unsupported import Refused
 from deepinfer.protocol import subjects
 from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
 from test_gateway import TOKENIZER, assert_openai_error, stream_events
@@ -133,7 +133,7 @@ COMPLETIONS = {
 RESPONSES = {
     "path": "/v1/responses",
     "module": response_params,
-    "model": responses_api.ResponsesRequest,
+    "model": responses.ResponsesRequest,
     "body": lambda model: {"model": model, "input": "Say hello", "store": False},
     "honoured": {
         "input": "test_gateway_responses.py::test_response_with_instructions_and_usage_through_the_sdk",
@@ -179,7 +179,7 @@ RESPONSES = {
 MESSAGES = {
     "path": "/v1/messages",
     "module": message_params,
-    "model": anthropic_api.MessagesRequest,
+    "model": messages.MessagesRequest,
     "body": lambda model: {"model": model, "max_tokens": 50, "messages": HELLO},
     "honoured": {
         "model": "test_gateway_anthropic.py::test_server_is_healthy_after_the_malformed_suite",
@@ -244,7 +244,7 @@ def test_every_client_field_is_honoured_or_refused(api):
     assert not unclassified, (
         f"{api}: the {spec['module'].__name__} request has fields this gateway neither honours nor refuses: "
         f"{unclassified}. Implement each (and add it to 'honoured' with the test of its effect) or refuse it "
-        f"(gateway.unsupported.refused; add it to 'refused' with a value the server cannot honour).")
+        f"(gateway.api.unsupported.refused; add it to 'refused' with a value the server cannot honour).")
     assert not set(honoured) & set(refused)
     for field, ref in honoured.items():
         test = ref[0] if isinstance(ref, tuple) else ref

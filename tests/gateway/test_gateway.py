@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
-from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.gateway.stream.request_stream import StreamTimeouts
 from deepinfer.kvstore import block_hashes
 from deepinfer.mesh import MeshClient
 from deepinfer.models.convert import ensure_default_model

@@ -26,10 +26,10 @@ from PIL import Image
 
 from deepinfer.gateway.app import create_app
 from deepinfer.gateway.config import GatewayConfig, load_model
-from deepinfer.gateway.stream import StreamTimeouts
+from deepinfer.gateway.stream.request_stream import StreamTimeouts
 from deepinfer.launcher import free_port
-from deepinfer.gateway.errors import OpenAIError, mesh_errors
-from deepinfer.gateway.image_fetch import address_problem
+from deepinfer.gateway.api.errors import OpenAIError, mesh_errors
+from deepinfer.gateway.api.image_fetch import address_problem
 from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
 from deepinfer.models.tiny_vlm import make_tiny_llava
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, ErrorReply, ProtocolError
@@ -417,16 +417,16 @@ async def test_anthropic_image_blocks(mesh):
 @pytest.fixture
 def anthropic_codes(monkeypatch):
     """The (code, param) of each error the Anthropic API answers (its error shape has neither)."""
-    from deepinfer.gateway import anthropic_api
+    from deepinfer.gateway.api import messages
 
     seen: list[tuple[str | None, str | None]] = []
-    body = anthropic_api.error_body
+    body = messages.error_body
 
     def recording(e):
         seen.append((e.code, e.param))
         return body(e)
 
-    monkeypatch.setattr(anthropic_api, "error_body", recording)
+    monkeypatch.setattr(messages, "error_body", recording)
     return seen
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from deepinfer.gateway.api_common import Assembler
+from deepinfer.gateway.api.common import Assembler
 from deepinfer.gateway.response_store import ResponseStore
 from deepinfer.launcher import free_port
 from gateway_harness import SMALL_BODY_LIMIT, client, gateway, nats_url, script, sse_events, workers  # noqa: F401

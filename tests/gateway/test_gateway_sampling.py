@@ -314,8 +314,8 @@ def test_swa_replay_passes_from_the_request_to_the_workers_sampling_params():
     """A request chooses bounded replay or exact recompute for a hybrid model's prefix."""
     import pydantic
 
-    from deepinfer.gateway import openai_schema as oai
-    from deepinfer.gateway.chat import sampling_params
+    from deepinfer.gateway.api import openai_schema as oai
+    from deepinfer.gateway.api.chat import sampling_params
 
     msgs = [{"role": "user", "content": "hi"}]
     for mode in ("bounded", "exact", None):

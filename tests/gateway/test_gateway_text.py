@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.gateway.detokenizer import IncrementalDetokenizer
-from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.stop import StopStringMatcher
+from deepinfer.gateway.pipeline.registry import WorkerRegistry
+from deepinfer.gateway.stream.detokenizer import IncrementalDetokenizer
+from deepinfer.gateway.stream.output import OutputProcessor
+from deepinfer.gateway.stream.stop import StopStringMatcher
 from deepinfer.models.convert import ensure_default_model
 from deepinfer.protocol import LoadReport, TokenChunk
 

@@ -12,9 +12,9 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from deepinfer.gateway.detokenizer import IncrementalDetokenizer
-from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.stop import StopStringMatcher
+from deepinfer.gateway.stream.detokenizer import IncrementalDetokenizer
+from deepinfer.gateway.stream.output import OutputProcessor
+from deepinfer.gateway.stream.stop import StopStringMatcher
 from deepinfer.models.convert import ModelNotFound, ensure_default_model, ensure_gemma3_270m
 from deepinfer.protocol import TokenChunk
 

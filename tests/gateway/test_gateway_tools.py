@@ -1,4 +1,4 @@
-"""Tool-call parsing from generated text (``deepinfer.gateway.tools``), alone and through the
+"""Tool-call parsing from generated text (``deepinfer.gateway.api.tools``), alone and through the
 gateway on the fake mesh (``gateway_harness``: the workers script the model's text) with the
 official ``openai`` client for chat completions, and the Responses and Anthropic Messages APIs."""
 
@@ -8,7 +8,7 @@ import random
 import openai
 import pytest
 
-from deepinfer.gateway.tools import ToolCallParser
+from deepinfer.gateway.api.tools import ToolCallParser
 from gateway_harness import client, gateway, nats_url, script, sse_events, workers  # noqa: F401
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from deepinfer.gateway.admission import Admission, AdmissionConfig, rate_limited
-from deepinfer.gateway.dispatch import submit_prompt
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.router import BIAS_MAX_AGE_S, PromptShape, Router, RouterConfig
+from deepinfer.gateway.pipeline.admission import Admission, AdmissionConfig, rate_limited
+from deepinfer.gateway.pipeline.dispatch import submit_prompt
+from deepinfer.gateway.pipeline.registry import WorkerRegistry
+from deepinfer.gateway.pipeline.router import BIAS_MAX_AGE_S, PromptShape, Router, RouterConfig
 from deepinfer.models.convert import DEFAULT_MODEL_NAME
 from deepinfer.mesh import NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (AbortRequest, Attempt, ErrorReply, LoadReport, PrefillRequest, SamplingParams,
@@ -519,7 +519,7 @@ def test_a_prompt_whose_prefix_is_being_computed_goes_where_it_is_computed_and_i
 
 
 def test_inflight_prefixes_count_shared_leading_blocks_per_worker_until_removed():
-    from deepinfer.gateway.router import InflightPrefixes
+    from deepinfer.gateway.pipeline.router import InflightPrefixes
 
     inflight = InflightPrefixes(limit=2)
     inflight.add("a", "r1", ("h0", "h1", "h2", "h3"))
@@ -602,7 +602,7 @@ def test_queue_limit_skips_full_workers_and_rejects_when_none_is_left():
 
 
 def test_inflight_limit_counts_unfinished_streams():
-    from deepinfer.gateway.stream import Phase
+    from deepinfer.gateway.stream.request_stream import Phase
 
     class S:
         phase = Phase.DECODE
@@ -619,7 +619,7 @@ def test_inflight_limit_counts_unfinished_streams():
 
 
 def test_429_in_each_apis_shape():
-    from deepinfer.gateway.anthropic_api import error_response
+    from deepinfer.gateway.api.messages import error_response
 
     err = rate_limited("too slow", "ttft_slo", 0.2)
     r = err.response()

@@ -219,9 +219,10 @@ def restart_nats(mesh: Mesh, down_s: float = 1.0) -> float:
 def test_2a_nats_server_restarted_under_load(mesh, oracle):
     outs, took, after = asyncio.run(load(mesh, oracle, 4, lambda: restart_nats(mesh)))
     c = counts("nats-server kill -9 + restart (1 s down)", outs, f"; all ended {after:.1f} s after")
-    # only what was in flight when NATS went down may end in a clear error (measured: none did, twice);
-    # every request sent after it came back completes
-    assert_clean(c, max_errors=CONCURRENCY)
+    # only what was in flight when NATS went down may end in a clear error, and not most of it: a
+    # gateway resumes a stream whose chunks were lost (measured: none failed, in two runs); every
+    # request sent after it came back completes
+    assert_clean(c, max_errors=CONCURRENCY // 4)
     deadline = time.monotonic() + 15
     while health(mesh) != 200:
         assert time.monotonic() < deadline, "the gateway did not see its workers again"
@@ -310,7 +311,7 @@ async def test_a_tokenizer_request_lost_with_its_replica_is_sent_again(nats_alon
     every request is answered by the other, after one retry, well within the timeout."""
     from types import SimpleNamespace
 
-    from deepinfer.gateway.api_common import TOKENIZER_RETRY_AFTER_S, _encode
+    from deepinfer.gateway.api.common import TOKENIZER_RETRY_AFTER_S, _encode
     from deepinfer.protocol import EncodeChatReply, EncodeChatRequest
 
     client = await MeshClient.connect(nats_alone, "gateway-t")
@@ -353,8 +354,8 @@ async def scripted_stream(nats_url: str, rid: str, want: list[int], prefill_scri
     ``timeouts``: the stream's (default: a 20 s inactivity limit, 0.1 s ticks); ``is_disconnected``:
     the client check ``next_chunk`` makes. Returns (tokens streamed, seconds, the decode submits,
     the aborts' attempts)."""
-    from deepinfer.gateway.registry import WorkerRegistry
-    from deepinfer.gateway.stream import RequestStream, StreamTimeouts
+    from deepinfer.gateway.pipeline.registry import WorkerRegistry
+    from deepinfer.gateway.stream.request_stream import RequestStream, StreamTimeouts
     from deepinfer.protocol import (AbortRequest, Attempt, DecodeRequest, LoadReport, PrefillRequest,
                                     SamplingParams, SubmitReply, TokenChunk)
 
@@ -419,7 +420,7 @@ async def test_a_stream_waiting_for_its_first_token_looks_at_its_client_less_oft
     """A gateway under overload holds hundreds of streams queued at prefill, each waking to look
     at its client and worker: before the first token that happens every ``queued_tick_s``, after
     it every ``tick_s`` (a client that leaves mid-generation is noticed within a tick)."""
-    from deepinfer.gateway.stream import StreamTimeouts
+    from deepinfer.gateway.stream.request_stream import StreamTimeouts
 
     want, first_at, looks = list(range(600, 607)), [], []
 

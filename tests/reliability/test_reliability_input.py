@@ -31,7 +31,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from deepinfer.gateway.limits import DEFAULT_MAX_BODY_BYTES
+from deepinfer.gateway.api.limits import DEFAULT_MAX_BODY_BYTES
 from deepinfer.mesh import MeshClient
 from deepinfer.tokenizer.service import TokenizerService
 from gateway_harness import ConfiguredGateway, nats_url  # noqa: F401 - fixtures

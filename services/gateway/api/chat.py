@@ -15,7 +15,7 @@ choice fails, the whole request fails and the others are aborted.
 
 Structured output (``response_format``, vLLM's ``guided_*`` / ``structured_outputs``) and
 forced tool calls (``tool_choice`` "required" or a named function: the output is constrained
-to calls of the declared tools) become ``SamplingParams.structured`` (``gateway.structured``),
+to calls of the declared tools) become ``SamplingParams.structured`` (``gateway.api.structured``),
 checked before anything is dispatched: an unsupported spec is a 400 naming it. With tools and
 ``parallel_tool_calls: false`` but no forced call, a choice ends at its first tool call (finish
 ``tool_calls``; the worker is stopped there, as for a stop string).
@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from deepinfer.gateway import logprobs as lp
-from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.api_common import encode_messages_images, output_budget, parse_body
+from deepinfer.gateway.api import logprobs as lp
+from deepinfer.gateway.api import openai_schema as oai
+from deepinfer.gateway.api.common import encode_messages_images, output_budget, parse_body
 from deepinfer.gateway.config import ModelInfo
-from deepinfer.gateway.errors import OpenAIError, bad_request, error_body
-from deepinfer.gateway.pipeline import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
+from deepinfer.gateway.api.errors import OpenAIError, bad_request, error_body
+from deepinfer.gateway.pipeline.generation import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
                                         open_choices, raise_if_failed, respond, start_request, usage_counts)
-from deepinfer.gateway.stream import ClientGone, StreamError, spawn
-from deepinfer.gateway.structured import openai_spec, strict_tools_spec, tool_call_spec
-from deepinfer.gateway.tools import ToolCallParser
+from deepinfer.gateway.stream.request_stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.api.structured import openai_spec, strict_tools_spec, tool_call_spec
+from deepinfer.gateway.api.tools import ToolCallParser
 from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger
 
@@ -165,7 +165,7 @@ def validate_messages(messages: list[oai.ChatMessage]) -> None:
 
 
 def structured_spec(req: oai.ChatCompletionRequest) -> dict | None:
-    """``SamplingParams.structured`` for the request (``gateway.structured``): ``response_format``,
+    """``SamplingParams.structured`` for the request (``gateway.api.structured``): ``response_format``,
     vLLM's guided fields, strict tools under "auto", or, with ``tool_choice`` "required" or a named
     function, a grammar of
     calls to the declared tools. Raises a 400 naming the param for a bad or unsupported spec."""
@@ -238,7 +238,7 @@ def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_
                     logprobs: bool | None = None, top_logprobs: int = 0, prompt_field: str = "messages",
                     default_max_tokens: int | None = None) -> SamplingParams:
     """The request's ``SamplingParams``; raises a 400 ``context_length_exceeded`` when the prompt
-    plus the requested tokens does not fit (``api_common.output_budget``; ``prompt_field``: the
+    plus the requested tokens does not fit (``common.output_budget``; ``prompt_field``: the
     prompt's request field). ``logprobs``/``top_logprobs`` default to the chat request's fields;
     ``default_max_tokens`` None = all the room left."""
     if logprobs is None:
@@ -274,7 +274,7 @@ def sampling_params(req: oai.SamplingRequest, num_prompt_tokens: int, max_model_
 async def tokenize(gw: Gateway, request_id: str, req: oai.ChatCompletionRequest
                    ) -> tuple[list[int], list[list], str]:
     """The chat prompt's token ids from the tokenizer service, its images' [offset, length, hash]
-    and their embeddings fingerprint (``api_common.encode_messages_images``)."""
+    and their embeddings fingerprint (``common.encode_messages_images``)."""
     tools = [t.to_template() for t in req.tools] if req.tools and req.tool_choice != "none" else None
     return await encode_messages_images(gw, request_id, [m.to_template() for m in req.messages], tools)
 

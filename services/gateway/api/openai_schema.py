@@ -3,7 +3,7 @@
 The request is parsed strictly from JSON (``"10"`` is not an int, ``1`` is not
 a bool). A field the request does not declare, at the top level or nested, is a 400 naming it
 (OpenAI answers an unknown argument so too), and a declared field for a feature this server lacks is refused unless
-its value asks for what the server does anyway (``gateway.unsupported``; docs/api_fields.md lists
+its value asks for what the server does anyway (``gateway.api.unsupported``; docs/api_fields.md lists
 every field: honoured, honoured as a no-op and why, refused). vLLM extensions:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (the response then carries
@@ -12,12 +12,12 @@ stream, ``prompt_token_ids`` rides on the first chunk and ``token_ids`` on
 each chunk's choice, beside ``delta``, as vLLM does), and structured output
 as vLLM takes it: ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar`` (llguidance's Lark) or ``structured_outputs`` (``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``); see ``gateway.structured``.
+``regex``, ``choice``, ``grammar``, ``json_object``); see ``gateway.api.structured``.
 
 ``logprobs`` (with ``top_logprobs``) fills ``choices[].logprobs`` as
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...],
 "refusal": null}``, in a stream with the entries of that chunk's tokens
-(``deepinfer.gateway.logprobs``).
+(``deepinfer.gateway.api.logprobs``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from deepinfer.gateway.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
+from deepinfer.gateway.api.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
                                            VERBOSITY, implicit_cache, openai_tier, refused)
 
 
@@ -49,7 +49,7 @@ class ImageURL(_Strict):
 
 
 class ImagePart(_Strict):
-    """An image (vision-language models; ``gateway.images``)."""
+    """An image (vision-language models; ``gateway.api.images``)."""
 
     type: Literal["image_url"]
     image_url: ImageURL
@@ -217,7 +217,7 @@ class SamplingRequest(_Strict):
     # is not cached ("bounded" replay of the last window, approximate; "exact" recompute); None = the
     # worker's --swa-replay
     swa_replay: Literal["bounded", "exact"] | None = None
-    # vLLM: structured output (``gateway.structured``)
+    # vLLM: structured output (``gateway.api.structured``)
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

@@ -32,8 +32,8 @@ from __future__ import annotations
 import json
 
 from deepinfer.engine.structured import StructuredOutputError, compile_grammar
-from deepinfer.gateway.errors import bad_request
-from deepinfer.gateway.tools import strict_tool_call_grammar, tool_call_grammar
+from deepinfer.gateway.api.errors import bad_request
+from deepinfer.gateway.api.tools import strict_tool_call_grammar, tool_call_grammar
 
 _VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -149,7 +149,7 @@ def strict_tools_spec(tools: list[tuple[str, dict | None, bool]]) -> dict | None
 
 
 def _tools_grammar_spec(grammar, *args) -> dict:
-    """``grammar(*args)`` (a tools grammar of ``gateway.tools``) as a checked spec; a tool's
+    """``grammar(*args)`` (a tools grammar of ``gateway.api.tools``) as a checked spec; a tool's
     parameters llguidance cannot enforce are a 400 naming ``tools``."""
     try:
         spec = {"type": "grammar", "lark": grammar(*args)}

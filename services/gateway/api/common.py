@@ -1,4 +1,4 @@
-"""What the Responses and Anthropic Messages endpoints share beyond ``pipeline``.
+"""What the Responses and Anthropic Messages endpoints share beyond ``pipeline.generation``.
 
 * ``parse_body``: strict pydantic parsing into an ``OpenAIError`` (400) naming the field.
 * ``encode_messages_images``: template messages (OpenAI chat shape, images too) -> prompt ids and
@@ -21,12 +21,12 @@ from typing import AsyncIterator
 
 from pydantic import BaseModel, ValidationError
 
-from deepinfer.gateway.errors import (OpenAIError, bad_request, context_length_exceeded, mesh_errors,
+from deepinfer.gateway.api.errors import (OpenAIError, bad_request, context_length_exceeded, mesh_errors,
                                      validation_error)
-from deepinfer.gateway.pipeline import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
-from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.stream import ClientGone, StreamError, spawn
-from deepinfer.gateway.tools import ToolCall, ToolCallParser
+from deepinfer.gateway.pipeline.generation import Choice, Gateway, abort_all, chunks, http_error, raise_if_failed
+from deepinfer.gateway.stream.output import OutputProcessor
+from deepinfer.gateway.stream.request_stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.api.tools import ToolCall, ToolCallParser
 from deepinfer.mesh import RequestTimeout
 from deepinfer.protocol import EncodeChatReply, EncodeChatRequest, subjects
 from deepinfer.telemetry import get_logger, tracer
@@ -87,7 +87,7 @@ async def encode_messages_images(gw: Gateway, request_id: str, messages: list[di
     names the field), 503 (no tokenizer / vision worker, or no answer in time), 500 (their failure,
     a bad reply).
     """
-    from deepinfer.gateway.images import OPENAI, resolve_images
+    from deepinfer.gateway.api.images import OPENAI, resolve_images
 
     messages, fingerprint = await resolve_images(gw, request_id, messages, param, terms or OPENAI)
     reply = await _encode(gw, request_id, messages, tools, param, add_generation_prompt)

@@ -56,9 +56,9 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from deepinfer.gateway.errors import OpenAIError
-from deepinfer.gateway.router import Plan
-from deepinfer.gateway.stream import Phase, RequestStream
+from deepinfer.gateway.api.errors import OpenAIError
+from deepinfer.gateway.pipeline.router import Plan
+from deepinfer.gateway.stream.request_stream import Phase, RequestStream
 
 
 DEFAULT_MAX_QUEUED_PREFILL_S = 30.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.gateway.detokenizer import Decoder, IncrementalDetokenizer
-from deepinfer.gateway.stop import StopStringMatcher
+from deepinfer.gateway.stream.detokenizer import Decoder, IncrementalDetokenizer
+from deepinfer.gateway.stream.stop import StopStringMatcher
 from deepinfer.protocol import TokenChunk
 
 

@@ -45,7 +45,7 @@ from urllib.parse import urljoin, urlsplit
 
 import httpcore
 
-from deepinfer.gateway.errors import OpenAIError, bad_request
+from deepinfer.gateway.api.errors import OpenAIError, bad_request
 
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)

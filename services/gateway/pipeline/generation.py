@@ -3,8 +3,8 @@ messages) is an adapter around it.
 
 An API module parses its body into its own request model and validates it; then, the same for all:
 ``start_request`` (request id, live workers or 503, traffic class), the tokenizer service
-(``api_common.encode_messages_images``; completions may send ids), ``output_budget`` with the one
-context-length error (``errors.context_length_exceeded``), ``SamplingParams``, ``new_choices`` and
+(``api.common.encode_messages_images``; completions may send ids), ``output_budget`` with the one
+context-length error (``api.errors.context_length_exceeded``), ``SamplingParams``, ``new_choices`` and
 ``open_choices``; the API renders the chunks in its wire format and ``respond`` sends them as SSE
 or JSON.
 
@@ -38,16 +38,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from deepinfer.gateway import logprobs as lp
+from deepinfer.gateway.api import logprobs as lp
 from deepinfer.gateway import metrics as gateway_metrics
-from deepinfer.gateway.admission import Admission, rate_limited
+from deepinfer.gateway.pipeline.admission import Admission, rate_limited
 from deepinfer.gateway.config import GatewayConfig, ModelInfo
-from deepinfer.gateway.errors import OpenAIError, bad_request, internal, unavailable
-from deepinfer.gateway.output import OutputProcessor
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.router import Plan, Router
-from deepinfer.gateway.stream import ClientGone, RequestStream, StreamError, spawn
-from deepinfer.gateway.tools import ToolCallParser
+from deepinfer.gateway.api.errors import OpenAIError, bad_request, internal, unavailable
+from deepinfer.gateway.stream.output import OutputProcessor
+from deepinfer.gateway.pipeline.registry import WorkerRegistry
+from deepinfer.gateway.pipeline.router import Plan, Router
+from deepinfer.gateway.stream.request_stream import ClientGone, RequestStream, StreamError, spawn
+from deepinfer.gateway.api.tools import ToolCallParser
 from deepinfer.mesh import MeshClient
 from deepinfer.protocol import SamplingParams, TokenChunk
 from deepinfer.telemetry import get_logger, tracer

@@ -5,7 +5,7 @@
 
   SUBMITTING -- subscribed to ``stream(request_id)`` (before submitting, so no
                 chunk is lost), PrefillRequest sent to the router's choice of
-                prefill worker, else on PREFILL_SUBMIT (``dispatch.submit_prompt``).
+                prefill worker, else on PREFILL_SUBMIT (``pipeline.dispatch.submit_prompt``).
                 SubmitReply accepted -> PREFILL. No responders, refusal or
                 timeout -> ``StreamError`` (HTTP 503; a timeout while workers of
                 the role report alive is overload: HTTP 429 ``worker_busy``
@@ -70,9 +70,9 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from deepinfer.gateway.dispatch import submit_prompt
-from deepinfer.gateway.registry import WorkerRegistry
-from deepinfer.gateway.router import Plan, PromptShape, Router
+from deepinfer.gateway.pipeline.dispatch import submit_prompt
+from deepinfer.gateway.pipeline.registry import WorkerRegistry
+from deepinfer.gateway.pipeline.router import Plan, PromptShape, Router
 from deepinfer.kvstore.hashing import block_hashes
 from deepinfer.mesh import MeshClient, MeshError, MessageTooLarge, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import (

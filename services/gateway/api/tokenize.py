@@ -34,10 +34,10 @@ import uuid
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, RootModel
 
-from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.api_common import encode_messages_images, field_names, parse_body
-from deepinfer.gateway.errors import OpenAIError, bad_request
-from deepinfer.gateway.pipeline import Gateway, check_workers
+from deepinfer.gateway.api import openai_schema as oai
+from deepinfer.gateway.api.common import encode_messages_images, field_names, parse_body
+from deepinfer.gateway.api.errors import OpenAIError, bad_request
+from deepinfer.gateway.pipeline.generation import Gateway, check_workers
 
 
 class _Strict(BaseModel):

@@ -7,14 +7,14 @@ turns, ``tool_result`` in user turns), ``system`` (string or text blocks), ``sto
 under ``auto`` each call the model starts is constrained to the input_schema) with
 ``tool_choice`` (``auto`` / ``none``; ``any`` and ``tool`` force calls: the output is constrained
 to calls of those tools with ``input_schema``-valid inputs, ``disable_parallel_tool_use`` = one;
-``gateway.structured``; with ``auto`` and ``disable_parallel_tool_use`` the output ends at its first
+``gateway.api.structured``; with ``auto`` and ``disable_parallel_tool_use`` the output ends at its first
 call and the worker is stopped there), ``output_config.format`` (``{"type": "json_schema", "schema"}``: the
 text is constrained to the schema, as chat's ``response_format``; not with tools in use, since a
 call could not be written then), ``stream``. Honoured as no-ops on a single-tenant server:
 ``metadata`` (``user_id``), ``service_tier`` (one tier: standard), ``cache_control`` (the prefix
 cache caches every prompt by itself), and the ``anthropic-version``, ``x-api-key``,
 ``anthropic-workspace-id`` and ``anthropic-user-profile-id`` headers. Refused with a 400 naming
-the field (``gateway.unsupported``): ``thinking`` (unless ``{"type": "disabled"}``), ``speed``
+the field (``gateway.api.unsupported``): ``thinking`` (unless ``{"type": "disabled"}``), ``speed``
 (unless "standard"), ``output_config.effort``, ``container``, ``diagnostics``, ``inference_geo``,
 and any field the request does not declare, nested ones included (block ``citations`` unless [],
 ``toolset_name``, tool ``input_examples``...: docs/api_fields.md). Extensions, as on chat
@@ -62,15 +62,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, ValidationInfo, field_validator
 
-from deepinfer.gateway.api_common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
+from deepinfer.gateway.api.common import (Assembler, Event, Run, encode_messages_images, field_names, log_finished,
                                           matched_stop, output_budget, parse_body, run, run_to_end)
-from deepinfer.gateway.errors import ContextLengthExceeded, OpenAIError, bad_request
-from deepinfer.gateway.images import ANTHROPIC
-from deepinfer.gateway.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
-from deepinfer.gateway.unsupported import refused
-from deepinfer.gateway.pipeline import Gateway, check_workers, new_choices, open_choices, respond, start_request
-from deepinfer.gateway.limits import BodyTooLarge
-from deepinfer.gateway.stream import ClientGone, spawn
+from deepinfer.gateway.api.errors import ContextLengthExceeded, OpenAIError, bad_request
+from deepinfer.gateway.api.images import ANTHROPIC
+from deepinfer.gateway.api.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
+from deepinfer.gateway.api.unsupported import refused
+from deepinfer.gateway.pipeline.generation import Gateway, check_workers, new_choices, open_choices, respond, start_request
+from deepinfer.gateway.api.limits import BodyTooLarge
+from deepinfer.gateway.stream.request_stream import ClientGone, spawn
 from deepinfer.protocol import SamplingParams
 from deepinfer.telemetry import get_logger
 
@@ -146,7 +146,7 @@ class URLSource(_Strict):
 
 
 class ImageBlock(_Strict):
-    """An image (vision-language models): base64 data, or a URL the gateway fetches (``gateway.images``)."""
+    """An image (vision-language models): base64 data, or a URL the gateway fetches (``gateway.api.images``)."""
 
     type: Literal["image"]
     source: Annotated[Union[Base64Source, URLSource], Discriminator("type")]

@@ -44,8 +44,8 @@ import io
 import re
 from dataclasses import dataclass
 
-from deepinfer.gateway.errors import OpenAIError, bad_request, mesh_errors
-from deepinfer.gateway.image_fetch import RemotePolicy, fetch
+from deepinfer.gateway.api.errors import OpenAIError, bad_request, mesh_errors
+from deepinfer.gateway.api.image_fetch import RemotePolicy, fetch
 from deepinfer.protocol import VisionEncodeReply, VisionEncodeRequest, subjects
 from deepinfer.telemetry import tracer
 

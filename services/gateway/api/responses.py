@@ -2,7 +2,7 @@
 
 Request: ``input`` (a string, or items: ``message`` with ``input_text`` / ``output_text`` /
 ``input_image`` content (``image_url``: a URL or a ``data:`` URL; vision-language models,
-``gateway.images``; ``file_id`` is refused) or a plain string; ``function_call``;
+``gateway.api.images``; ``file_id`` is refused) or a plain string; ``function_call``;
 ``function_call_output``), ``instructions`` (a system message
 first; not carried over by ``previous_response_id``, as OpenAI does), ``max_output_tokens``,
 ``temperature`` (0-2), ``top_p``, ``tools`` (``type: "function"`` only; with ``strict: true``,
@@ -12,13 +12,13 @@ calls are parsed as written, as vLLM does, where OpenAI's default is strict) wit
 calls of those tools, ``parallel_tool_calls: false`` = one; with ``auto`` and
 ``parallel_tool_calls: false`` the output ends at its first call and the worker is stopped there),
 ``text.format`` (``json_object``, or
-``json_schema`` with ``schema``: the output is constrained to it; ``gateway.structured``), ``stream``,
+``json_schema`` with ``schema``: the output is constrained to it; ``gateway.api.structured``), ``stream``,
 ``store`` (default true), ``previous_response_id``, ``metadata``, ``user``. Honoured as no-ops:
 ``safety_identifier``, ``prompt_cache_key``, ``prompt_cache_retention``, ``max_tool_calls`` (it
 counts built-in tool calls; there are none here) and ``include`` values naming items this server
 never outputs (``reasoning.encrypted_content``, web / file search, code interpreter, computer call
 outputs). Refused with a 400 naming the field unless the value asks for what the server does anyway
-(``gateway.unsupported``): ``background`` (false), ``truncation`` ("disabled"), ``reasoning``
+(``gateway.api.unsupported``): ``background`` (false), ``truncation`` ("disabled"), ``reasoning``
 (effort "none"), ``service_tier`` ("auto" / "default"), ``top_logprobs`` (0), ``stream_options``
 (no obfuscation), ``text.verbosity``, ``prompt_cache_options`` (implicit), ``image``
 (compression "auto" / "disabled"), ``context_management`` ([]), ``include`` of logprobs or input
@@ -76,15 +76,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from deepinfer.gateway.api_common import (Assembler, Block, Event, Run, encode_messages_images, field_names,
+from deepinfer.gateway.api.common import (Assembler, Block, Event, Run, encode_messages_images, field_names,
                                           log_finished, output_budget, parse_body, run, run_to_end)
-from deepinfer.gateway.errors import OpenAIError, bad_request, unavailable
-from deepinfer.gateway.pipeline import Gateway, new_choices, open_choices, respond, start_request
-from deepinfer.gateway.images import RESPONSES
+from deepinfer.gateway.api.errors import OpenAIError, bad_request, unavailable
+from deepinfer.gateway.pipeline.generation import Gateway, new_choices, open_choices, respond, start_request
+from deepinfer.gateway.api.images import RESPONSES
 from deepinfer.gateway.response_store import ResponseStore, StoreUnavailable
-from deepinfer.gateway.stream import ClientGone, spawn
-from deepinfer.gateway.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
-from deepinfer.gateway.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
+from deepinfer.gateway.stream.request_stream import ClientGone, spawn
+from deepinfer.gateway.api.structured import checked, response_format_spec, strict_tools_spec, tool_call_spec
+from deepinfer.gateway.api.unsupported import (CACHE_OPTIONS, IMAGE_DETAIL, MODERATION, OBFUSCATION, REASONING, TIER,
                                            VERBOSITY, implicit_cache, no_obfuscation, no_reasoning, openai_tier,
                                            refused)
 from deepinfer.protocol import SamplingParams
@@ -128,7 +128,7 @@ class OutputText(_Strict):
 
 
 class InputImage(_Strict):
-    """An image (vision-language models; ``gateway.images``): ``image_url`` is a URL or a ``data:`` URL,
+    """An image (vision-language models; ``gateway.api.images``): ``image_url`` is a URL or a ``data:`` URL,
     as OpenAI's. ``file_id`` needs a Files API this server does not have."""
 
     type: Literal["input_image"]
@@ -350,7 +350,7 @@ def validate(req: ResponsesRequest, gw: Gateway) -> None:
 
 def structured_spec(req: ResponsesRequest) -> dict | None:
     """``SamplingParams.structured`` for ``text.format``, a forcing ``tool_choice`` or strict tools
-    under "auto" (``gateway.structured``); None = free text. Raises 400 naming the param."""
+    under "auto" (``gateway.api.structured``); None = free text. Raises 400 naming the param."""
     fmt = req.text.format if req.text is not None else None
     choice, found = req.tool_choice, []
     if fmt is not None and fmt.type != "text":

@@ -59,7 +59,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
-from deepinfer.gateway.registry import WorkerInfo, WorkerRegistry
+from deepinfer.gateway.pipeline.registry import WorkerInfo, WorkerRegistry
 from deepinfer.kvstore.hashing import block_hashes
 from deepinfer.protocol import LoadReport
 from deepinfer.telemetry import get_logger

@@ -19,10 +19,10 @@ vision-language model's image placeholder token in a prompt (as an id, or as
 its text, which a raw prompt parses as the special token) is refused too: only
 an image may put it there, and this endpoint takes none.
 Generation, n > 1, stop strings and errors are the chat endpoint's
-(``pipeline.py``); responses have OpenAI's ``text_completion`` shape.
+(``pipeline/generation.py``); responses have OpenAI's ``text_completion`` shape.
 vLLM's structured-output fields (``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar``, ``structured_outputs``) constrain the
-text (``gateway.structured``).
+text (``gateway.api.structured``).
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import Response
 
-from deepinfer.gateway import logprobs as lp
-from deepinfer.gateway import openai_schema as oai
-from deepinfer.gateway.chat import sampling_params, validate_sampling
-from deepinfer.gateway.api_common import parse_body
-from deepinfer.gateway.errors import OpenAIError, bad_request, context_length_exceeded, error_body, internal
-from deepinfer.gateway.pipeline import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
+from deepinfer.gateway.api import logprobs as lp
+from deepinfer.gateway.api import openai_schema as oai
+from deepinfer.gateway.api.chat import sampling_params, validate_sampling
+from deepinfer.gateway.api.common import parse_body
+from deepinfer.gateway.api.errors import OpenAIError, bad_request, context_length_exceeded, error_body, internal
+from deepinfer.gateway.pipeline.generation import (Choice, Gateway, abort_all, chunks, failure, http_error, new_choices,
                                         open_prompts, raise_if_failed, respond, start_request, usage_counts)
-from deepinfer.gateway.stream import ClientGone, StreamError, spawn
-from deepinfer.gateway.structured import openai_spec
+from deepinfer.gateway.stream.request_stream import ClientGone, StreamError, spawn
+from deepinfer.gateway.api.structured import openai_spec
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)

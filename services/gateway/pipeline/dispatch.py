@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from deepinfer.gateway.router import Plan
+from deepinfer.gateway.pipeline.router import Plan
 from deepinfer.mesh import MeshClient, NoResponders, RemoteError, RequestTimeout
 from deepinfer.protocol import AbortRequest, DecodeRequest, PrefillRequest, ProtocolError, SubmitReply, subjects
 from deepinfer.telemetry import get_logger

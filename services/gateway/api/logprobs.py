@@ -24,7 +24,7 @@ import math
 import re
 from functools import lru_cache
 
-from deepinfer.gateway.detokenizer import Decoder
+from deepinfer.gateway.stream.detokenizer import Decoder
 
 MIN_LOGPROB = -9999.0
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
