@@ -25,7 +25,6 @@ from deepinfer.engine.interface import StepOutput
 from deepinfer.engine.model_runner import StepInputs
 from deepinfer.engine.sampler import SampleResult, sample
 from deepinfer.engine.sequence import RequestStatus, Sequence
-from deepinfer.engine.structured import advance_matchers
 from deepinfer.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -49,6 +48,7 @@ class EngineCore:
     are read by load reports from any thread."""
 
     spec = None  # speculative decoding (``spec_decode.SpecDecoder``; None = off)
+    structured = None  # structured output (``structured.StructuredOutputManager``; None = not supported)
     step_threads = None  # intra-op threads per step (``step_threads.StepThreads``; None: left as they are)
 
     def _init_core(self) -> None:
@@ -67,11 +67,15 @@ class EngineCore:
     # --- requests ---------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its KV blocks; False if it is not here."""
+        self._forget(request_id)
+        return self.scheduler.abort(request_id) is not None
+
+    def _forget(self, request_id: str) -> None:
+        """Forget a request's state besides its KV: its seeded sampler, grammar matcher, drafter state."""
         self.generators.pop(request_id, None)
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            seq.matcher = None
-        return seq is not None
+        for manager in (self.structured, self.spec):
+            if manager is not None:
+                manager.free(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -80,7 +84,7 @@ class EngineCore:
         """After a step raised: drop every request (queued, running, or in a launched step, even
         one that step had already finished) and free all their KV blocks. Returns the dropped
         sequences (finish reason "error"); the engine is then empty and usable."""
-        seqs = {id(s): s for s in (*self.scheduler.waiting, *self.scheduler.running)}
+        seqs = {id(s): s for s in self.scheduler.take_all()}
         if self._inflight is not None:
             step, future = self._inflight
             self._inflight = None
@@ -89,15 +93,12 @@ class EngineCore:
         for step in self._launched:
             seqs.update((id(s), s) for s in step.seqs)
         self._launched.clear()
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
         for seq in seqs.values():
             seq.num_inflight_steps = seq.num_inflight_tokens = 0
             if seq.block_table:
                 self.kv.block_manager.free(seq)
             seq.status = RequestStatus.FINISHED_ERROR
-            seq.matcher = None
-            self.generators.pop(seq.request_id, None)
+            self._forget(seq.request_id)
         return list(seqs.values())
 
     def between_steps(self, fn, *args):
@@ -211,7 +212,8 @@ class EngineCore:
             result = self.spec.verify(logits, step.seqs, step.sampling, self.generators, eos)
         else:
             seqs = [step.seqs[i] for i in step.sampling]
-            result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs], eos)
+            result = sample(logits[step.sampling], seqs, [self.generators.get(s.request_id) for s in seqs], eos,
+                            self.structured.for_batch(seqs) if self.structured is not None else None)
         result.prompt_logprobs = step.inputs.prompt_logprobs
         self._forward_end = time.perf_counter()
         return result
@@ -232,8 +234,8 @@ class EngineCore:
         """End a request outside the step's own stop checks (its blocks are freed unless a
         launched step holds them)."""
         self.scheduler.abort(seq.request_id)
-        self.generators.pop(seq.request_id, None)
-        seq.status, seq.matcher = status, None
+        self._forget(seq.request_id)
+        seq.status = status
 
     def _finish(self, step: _Step, result: SampleResult) -> list[StepOutput]:
         """Apply a step's sampled tokens; outputs for sequences still live; free finished ones.
@@ -245,7 +247,7 @@ class EngineCore:
             if seq.prompt_logprobs is not None:  # (None: aborted meanwhile)
                 seq.prompt_logprobs[first + 1 : first + 1 + len(entries)] = entries
         finished = {id(s) for s in self.scheduler.update(step.seqs, sampled)}
-        for seq, reason in advance_matchers(step.seqs):
+        for seq, reason in self.structured.advance(step.seqs) if self.structured is not None else ():
             self._end(seq, reason)
         self.num_finished_requests += len(finished)
         outputs = []
@@ -256,7 +258,7 @@ class EngineCore:
                 outputs.append(self._output(seq, sampled[i], logprobs[i], id(seq) in finished))
             if seq.status.is_finished and not seq.num_inflight_steps and seq.block_table:
                 self.kv.free(seq)
-                self.generators.pop(seq.request_id, None)
+                self._forget(seq.request_id)
         self._forget_launched(step)
         return self._take_failed() + outputs
 
@@ -265,15 +267,10 @@ class EngineCore:
         step), with its prompt logprobs on the first token and its KV blocks where exported."""
         if not isinstance(toks, list):
             toks, lps = [toks], None if lps is None else [lps]
-        out = StepOutput(seq.request_id, toks, seq.finish_reason, seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens, logprobs=None if lps is None else lps[:len(toks)],
-                         prefix_path=seq.prefix_path, num_replayed_tokens=seq.num_replayed_tokens,
-                         num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
+        out = StepOutput.of(seq, toks, None if lps is None else lps[:len(toks)])
         if seq.prompt_logprobs is not None:  # the first token: the prompt is all computed
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         if finished and seq.prefill_only:
             out.chunk_times = seq.chunk_times
-            self.kv.export_handoff(seq, out)
-        elif seq.export_prompt:
-            self.kv.export_prompt(seq, out)
+        self.kv.export(seq, out, finished)
         return out

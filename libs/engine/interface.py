@@ -127,6 +127,15 @@ class StepOutput:
     # per prompt token, None for the first, else its ``TokenLogprobs``
     prompt_logprobs: list | None = None
 
+    @classmethod
+    def of(cls, seq, token_ids: list[int], logprobs: list | None) -> "StepOutput":
+        """A live sequence's (``engine.sequence.Sequence``) output of a step: ``token_ids`` and their
+        ``logprobs``, with its finish reason, prefix reuse and speculative decoding counts."""
+        return cls(seq.request_id, token_ids, seq.finish_reason, seq.num_prompt_tokens,
+                   num_cached_tokens=seq.num_cached_tokens, logprobs=logprobs, prefix_path=seq.prefix_path,
+                   num_replayed_tokens=seq.num_replayed_tokens, num_draft_tokens=seq.num_draft_tokens,
+                   num_accepted_tokens=seq.num_accepted_tokens)
+
     def wire_logprobs(self) -> list | None:
         """``TokenChunk.logprobs`` form: per token ``[logprob, [[token_id, logprob], ...]]``."""
         if self.logprobs is None:

@@ -188,6 +188,14 @@ class KVCacheManager:
         return ids, torch.stack(blocks)
 
     # --- export -----------------------------------------------------------------
+    def export(self, seq: Sequence, out: StepOutput, finished: bool) -> None:
+        """The KV blocks a worker writes to the storage tier, into ``out``: a prefill-only request's
+        when it ends (``export_handoff``), else a prompt computed here, once (``export_prompt``)."""
+        if finished and seq.prefill_only:
+            self.export_handoff(seq, out)
+        elif seq.export_prompt:
+            self.export_prompt(seq, out)
+
     def export_handoff(self, seq: Sequence, out: StepOutput) -> None:
         """A prefill-only engine's finished prompt: its KV blocks into ``out`` (``StepOutput``).
         A handoff gets every block (the last one partial); a request its first token ended gets

@@ -36,7 +36,7 @@ from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import RequestStatus, Sequence
 from deepinfer.engine.spec_decode import SpecDecoder
-from deepinfer.engine.structured import GrammarCompiler, StructuredOutputError, compile_grammar
+from deepinfer.engine.structured import StructuredOutputError, StructuredOutputManager, compile_grammar
 from deepinfer.kernels import cpu_gemv
 from deepinfer.kernels import select as kernel_select
 from deepinfer.models.config import ModelConfig
@@ -70,7 +70,7 @@ class LLMEngine(EngineCore):
         torch.set_num_threads(config.num_threads or DEFAULT_THREADS)
         # the bf16-weights kernel reads weights on every thread, also in steps run on one intra-op thread
         cpu_gemv.set_threads(config.num_threads or DEFAULT_THREADS)
-        self.model_dir = Path(model_dir)  # its tokenizer compiles structured-output grammars
+        self.model_dir = Path(model_dir)
         self.dtype_choice = choose_dtype(ModelConfig.from_dir(model_dir), config.dtype, config.batch_invariant)
         requested = config.dtype
         if requested == "auto":
@@ -88,6 +88,7 @@ class LLMEngine(EngineCore):
         self.runner = ModelRunner(self.model, config.block_size, pools.num_blocks, dtype, config.batch_invariant,
                                   pools.num_window_blocks)
         self._init_scheduling(pools.block_manager, pools.swa_cache, mc.eos_token_ids)
+        self.structured = StructuredOutputManager(model_dir, mc.vocab_size, mc.eos_token_ids)  # the model's tokenizer
         self.step_threads = calibration.choose_engine_step_threads(self)
         if config.calibrate:
             self.calibrate()
@@ -127,7 +128,6 @@ class LLMEngine(EngineCore):
         self.scheduler = Scheduler(block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, self.cost_model,
                                    config.step_time_budget_s, min_chunk=config.block_size)
-        self.grammars: GrammarCompiler | None = None  # structured output, made by the first such request
         self._init_core()
 
     def calibrate(self) -> None:
@@ -208,10 +208,7 @@ class LLMEngine(EngineCore):
             else:  # no room now -> recompute from tokens when blocks free up
                 seq.num_computed_tokens = 0
         if sampling.structured is not None:  # its grammar compiles on a pool thread meanwhile
-            if self.grammars is None:
-                self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids)
-            seq.matcher = self.grammars.matcher(sampling.structured, list(output_token_ids))
+            self.structured.add(request_id, sampling.structured, output_token_ids)
         self.scheduler.add(seq)
 
     def check_request(self, prompt_token_ids: list[int], output_token_ids: list[int] = (),

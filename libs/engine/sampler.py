@@ -4,7 +4,7 @@ The stages, in vLLM v1's order (a stage no row of the batch uses is skipped)::
 
     logits [B, V] float32, from the model
       0. grammar             l[t] = -inf unless the request's grammar allows t next (structured
-                             output: ``Sequence.matcher``, ``engine.structured``)
+                             output: the row's ``StructuredMatcher``, ``engine.structured``)
       1. logit_bias          l[t] += bias[t]                                     (OpenAI)
       2. min_tokens          l[EOS], l[stop_token_ids] = -inf while num_output_tokens < min_tokens
       3. repetition_penalty  t in prompt + output:  l > 0 ? l / r : l * r         (HF / CTRL)
@@ -85,16 +85,18 @@ def sample(
     seqs: list[Sequence],
     generators: list[torch.Generator | None],
     eos_token_ids: list[int] | tuple[int, ...] = (),
+    matchers: list | None = None,
 ) -> SampleResult:
     """Pick the next token of each sequence from ``logits`` [B, V] (row i is ``seqs[i]``'s).
 
     ``generators[i]``: the request's seeded generator, or None (global RNG).
     ``eos_token_ids``: the model's EOS ids, masked for ``min_tokens``.
+    ``matchers[i]``: the request's ``StructuredMatcher`` or None (None for all: no grammar).
     ``logits`` is not modified.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(seqs) == len(generators)
     params = [s.sampling for s in seqs]
-    logits = apply_logits_processors(logits, seqs, eos_token_ids)
+    logits = apply_logits_processors(logits, seqs, eos_token_ids, matchers=matchers)
     token_ids = logits.argmax(dim=-1)
     rows = [i for i, sp in enumerate(params) if sp.temperature >= MIN_TEMPERATURE]
     if len(rows) == len(seqs):
@@ -109,25 +111,26 @@ def sample(
 
 
 def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(),
-                            grammar_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+                            grammar_bitmask: torch.Tensor | None = None,
+                            matchers: list | None = None) -> torch.Tensor:
     """The grammar mask, logit bias, the min_tokens mask and the penalties, on a copy (``logits``
     itself if none apply). Waits for a request's grammar if it is still being compiled.
 
-    Row i's grammar mask is ``seqs[i].matcher``'s next-token mask, unless ``grammar_bitmask``
-    (int32 [R, ceil(V / 32)], a row per logits row, all bits set where no grammar applies) is
-    given: speculative verification, whose rows after draft tokens need the mask after those
-    drafts (``StructuredMatcher.fill_bitmask_with_draft``), passes its own.
+    Row i's grammar mask is ``matchers[i]``'s next-token mask (a ``StructuredMatcher``, or None:
+    no grammar; ``matchers`` None: none in the batch), unless ``grammar_bitmask`` (int32
+    [R, ceil(V / 32)], a row per logits row, all bits set where no grammar applies) is given:
+    speculative verification, whose rows after draft tokens need the mask after those drafts
+    (``StructuredMatcher.fill_bitmask_with_draft``), passes its own.
     """
     params = [s.sampling for s in seqs]
-    matchers = [s.matcher for s in seqs]  # NOTE: read once: an abort may drop one meanwhile
     needs = [bool(sp.logit_bias) or sp.min_tokens > 0 or _has_penalty(sp) for sp in params]
-    if not any(needs) and all(m is None for m in matchers) and grammar_bitmask is None:
+    if not any(needs) and matchers is None and grammar_bitmask is None:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
     vocab = logits.shape[1]
     if grammar_bitmask is not None:
         apply_bitmask(logits, grammar_bitmask)
-    elif any(m is not None for m in matchers):
+    elif matchers is not None and any(m is not None for m in matchers):
         _apply_grammar(logits, matchers)
     for i, seq in enumerate(seqs):
         sp = seq.sampling
@@ -138,7 +141,7 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], eos_toke
             banned = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_token_ids))
             banned = [t for t in banned if 0 <= t < vocab]
             if banned:
-                kept = logits[i, banned].clone() if matchers[i] is not None else None
+                kept = logits[i, banned].clone() if matchers is not None and matchers[i] is not None else None
                 logits[i, banned] = float("-inf")
                 if kept is not None and not torch.isfinite(logits[i]).any():  # the grammar allows only these
                     logits[i, banned] = kept

@@ -91,6 +91,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_all(self) -> list[Sequence]:
+        """Every waiting and running sequence, removed from the queues (the engine failed a step)."""
+        seqs = [*self.waiting, *self.running]
+        self.waiting.clear()
+        self.running.clear()
+        return seqs
+
     # --- schedule ---------------------------------------------------------------
     def _chunk(self, seq: Sequence, tokens_left: int, time_left: float | None, has_prefill: bool,
                share: int) -> int:

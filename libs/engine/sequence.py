@@ -104,14 +104,11 @@ class Sequence:
     # at launch: (window block id, prefix hash).
     prefix_plan: object | None = None
     window_restore: list[tuple[int, str]] = field(default_factory=list)
-    # Structured output: the request's grammar state (``engine.structured.StructuredMatcher``; it
-    # has consumed every token of ``output_token_ids``); None without a grammar or once finished.
-    matcher: object | None = None
     # --- speculative decoding (``engine.spec_decode``) ---
     # Draft tokens the step being scheduled verifies after the last known token (fed at the
-    # positions after it; cleared when the step is back), and the drafter's per-request state.
+    # positions after it; cleared when the step is back); the drafter's own per-request state is
+    # the ``SpecDecoder``'s, by request id.
     draft_token_ids: list[int] = field(default_factory=list)
-    spec_state: object | None = None
     num_draft_tokens: int = 0  # draft tokens verified so far
     num_accepted_tokens: int = 0  # of which accepted
     # Prefill-only engines: (start, end) ``time.perf_counter()`` seconds and tokens fed of each

@@ -233,7 +233,15 @@ class SpecDecoder:
         # step after its first fit (``observe_step``)
         self.decode_cost = StepCostModel(fitted=(1,))
         self._kept_de = False  # decode_cost's d, e taken from a fitted engine model, kept since
-        self._buckets: dict[int, list[tuple]] = {}  # id(seq) -> calibration buckets of its planned drafts
+        # per request, by request id: the n-gram drafter's index of its tokens, and the calibration
+        # buckets of the drafts planned for the step in flight (``free`` drops both)
+        self.states: dict[str, NgramIndex] = {}
+        self._buckets: dict[str, list[tuple]] = {}
+
+    def free(self, request_id: str) -> None:
+        """Forget a request that ended or was aborted."""
+        self.states.pop(request_id, None)
+        self._buckets.pop(request_id, None)
 
     # --- which requests -------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:
@@ -272,11 +280,13 @@ class SpecDecoder:
             drafts = [self._ngram_draft(s, budgets[id(s)]) for s in cands]
             fits = cands
         eos = set(self.engine.model_config.eos_token_ids)
+        structured = self.engine.structured
         for s, d in zip(fits, drafts):  # structured output: drafts stop at the first the grammar refuses
-            if s.matcher is not None and d.tokens:
+            m = structured.get(s.request_id) if structured is not None else None
+            if m is not None and d.tokens:
                 # and before EOS: the matcher does not count a consumed EOS as a token it can roll
                 # back, so verifying one would corrupt its state (EOS is still sampled after them)
-                n = s.matcher.validate(d.tokens)
+                n = m.validate(d.tokens)
                 n = next((j for j, t in enumerate(d.tokens[:n]) if t in eos), n)
                 del d.tokens[n:], d.confidences[n:], d.buckets[n:]
         lengths = self._choose(seqs, fits, drafts, tokens_left)
@@ -287,14 +297,14 @@ class SpecDecoder:
                 continue
             bm.allocate(s, s.num_computed_tokens + 1 + n)
             s.draft_token_ids = d.tokens[:n]
-            self._buckets[id(s)] = d.buckets[:n]
+            self._buckets[s.request_id] = d.buckets[:n]
             s.num_scheduled_tokens = 1 + n
 
     def _ngram_draft(self, seq: Sequence, k: int) -> Draft:
-        if seq.spec_state is None:
-            seq.spec_state = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        n, tokens, shares = seq.spec_state.lookup(seq.token_ids, k)
-        st = seq.spec_state
+        st = self.states.get(seq.request_id)
+        if st is None:
+            st = self.states[seq.request_id] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        n, tokens, shares = st.lookup(seq.token_ids, k)
         buckets = [("ngram", "one" if f == 1 else "most" if f >= 0.5 else "few",
                     "replaced" if t in st.replaced else "kept", st.last, j, n)
                    for j, (f, t) in enumerate(zip(shares, tokens))]
@@ -413,10 +423,11 @@ class SpecDecoder:
         spec = [i for i in sampling if seqs[i].draft_token_ids]
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list | None] = {}
+        structured = self.engine.structured
         if plain:
             ps = [seqs[i] for i in plain]
             res = sample(logits[[offsets[i] for i in plain]], ps, [generators.get(s.request_id) for s in ps],
-                         eos_token_ids)
+                         eos_token_ids, structured.for_batch(ps) if structured is not None else None)
             for i, t, lp in zip(plain, res.token_ids, res.logprobs):
                 tokens[i], logprobs[i] = [t], None if lp is None else [lp]
         if spec:
@@ -424,13 +435,17 @@ class SpecDecoder:
             rows = [offsets[i] + j for i in spec for j in range(1 + len(seqs[i].draft_token_ids))]
             row_seqs = [seqs[i] for i in spec for _ in range(1 + len(seqs[i].draft_token_ids))]
             bitmask = None
-            if any(seqs[i].matcher is not None for i in spec):  # structured output: masks after the drafts
+            matchers = structured.for_batch([seqs[i] for i in spec]) if structured is not None else None
+            if matchers is not None:  # structured output: masks after the drafts
                 bitmask, row = allocate_bitmask(len(rows), logits.shape[1]), 0
-                for i in spec:
-                    if seqs[i].matcher is not None:
-                        seqs[i].matcher.fill_bitmask_with_draft(bitmask, row, seqs[i].draft_token_ids)
+                for i, m in zip(spec, matchers):
+                    if m is not None:
+                        m.fill_bitmask_with_draft(bitmask, row, seqs[i].draft_token_ids)
                     row += 1 + len(seqs[i].draft_token_ids)
-            processed = apply_logits_processors(logits[rows], row_seqs, eos_token_ids, grammar_bitmask=bitmask)
+            row_matchers = (None if matchers is None else
+                            [m for i, m in zip(spec, matchers) for _ in range(1 + len(seqs[i].draft_token_ids))])
+            processed = apply_logits_processors(logits[rows], row_seqs, eos_token_ids, grammar_bitmask=bitmask,
+                                                matchers=row_matchers)
             start = 0
             for i in spec:
                 seq = seqs[i]
@@ -448,12 +463,13 @@ class SpecDecoder:
                 seq.num_draft_tokens += n - 1
                 seq.num_accepted_tokens += accepted
                 self.num_spec_seqs += 1
-                self.calibrator.observe(self._buckets.pop(id(seq), []), accepted)
-                if isinstance(seq.spec_state, NgramIndex):
-                    seq.spec_state.last = "all" if accepted == n - 1 else "some" if accepted else "none"
+                self.calibrator.observe(self._buckets.pop(seq.request_id, []), accepted)
+                st = self.states.get(seq.request_id)
+                if st is not None:  # (the n-gram drafter's)
+                    st.last = "all" if accepted == n - 1 else "some" if accepted else "none"
                     if accepted < n - 1 and out[accepted] != seq.draft_token_ids[accepted]:
                         # (sampling's residual can fall back to the draft token itself: not replaced)
-                        seq.spec_state.replaced.add(seq.draft_token_ids[accepted])
+                        st.replaced.add(seq.draft_token_ids[accepted])
                 start += n
         return SampleResult([tokens[i] for i in sampling], [logprobs[i] for i in sampling])
 

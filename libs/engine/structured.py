@@ -12,12 +12,13 @@ Where each piece runs::
 
     gateway   compile_grammar(spec) -> grammar text (LRU by the spec's canonical JSON); a spec
               llguidance refuses raises StructuredOutputError naming the feature -> HTTP 400
-    engine    add_request: GrammarCompiler.matcher(spec, output_token_ids) -> StructuredMatcher;
-              its llguidance matcher is built on the compiler's thread pool (the model's tokenizer,
-              then a copy of the cached compiled grammar, then the tokens already generated)
+    engine    add_request: StructuredOutputManager.add(request_id, spec, output_token_ids) ->
+              a StructuredMatcher, keyed by request id; its llguidance matcher is built on the
+              compiler's thread pool (the model's tokenizer, then a copy of the cached compiled
+              grammar, then the tokens already generated)
     sampler   stage 0: matcher.fill_bitmask(bitmask, row) waits for that build only if it is not
               done yet; apply_bitmask sets disallowed logits to -inf (greedy, sampling, logprobs)
-    engine    the sampled token -> matcher.accept([token]); finished / aborted -> matcher dropped
+    engine    the sampled token -> StructuredOutputManager.advance; finished / aborted -> free
 
 JSON is generated in one fixed layout, ``json.dumps``' default (``", "`` and ``": "``, no other
 whitespace): a small model given free whitespace may spend its whole budget on it. JSON-schema
@@ -430,24 +431,65 @@ def _tokenizer_size(model_dir: Path) -> int:
     return max(ids, default=-1) + 1
 
 
-def advance_matchers(seqs: list[Sequence]) -> list[tuple[Sequence, RequestStatus]]:
-    """After a step's tokens were applied: each running sequence's matcher consumes the output
-    tokens appended since it last did (``matcher.num_tokens`` counts them); a finished
-    sequence's matcher is dropped. Returns the sequences to end and why: "error" for a token the
-    grammar refuses or a grammar that failed to build (a bug, never a silent bad output), "stop"
-    for an ``ignore_eos`` request whose grammar is complete (nothing else may follow)."""
-    ended = []
-    for seq in seqs:
-        m = seq.matcher
-        if m is None:
-            continue
-        if seq.status.is_finished:
-            seq.matcher = None
-            continue
-        new = seq.output_token_ids[m.num_tokens:]
-        if new and not m.accept(new):
-            log.error("structured_output_failed", request_id=seq.request_id, error=m.error)
-            ended.append((seq, RequestStatus.FINISHED_ERROR))
-        elif seq.sampling.ignore_eos and m.is_terminated:  # complete: EOS would not stop it, so stop here
-            ended.append((seq, RequestStatus.FINISHED_STOPPED))
-    return ended
+class StructuredOutputManager:
+    """One engine's structured-output requests: request id -> its ``StructuredMatcher`` (vLLM v1's
+    ``StructuredOutputManager``). The grammar side (``GrammarCompiler``: the model's llguidance
+    tokenizer, ~1 s to load) is made by the first request that asks.
+
+    The engine adds a request's matcher (``add``), the step reads the batch's matchers
+    (``for_batch``, from the forward thread too: one dict read per request), ``advance`` feeds them
+    the step's tokens, and a request that ends or is aborted is dropped (``free``).
+    """
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int]):
+        self._compiler_args = (model_dir, vocab_size, list(eos_token_ids))
+        self.compiler: GrammarCompiler | None = None
+        self.matchers: dict[str, StructuredMatcher] = {}
+
+    def add(self, request_id: str, spec: dict, output_token_ids: list[int] = ()) -> None:
+        """A matcher for ``spec`` that has consumed ``output_token_ids`` (tokens generated before,
+        e.g. by the prefill worker); it builds on the compiler's pool meanwhile. Raises
+        StructuredOutputError for a spec ``compile_grammar`` refuses."""
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(*self._compiler_args)
+        self.matchers[request_id] = self.compiler.matcher(spec, list(output_token_ids))
+
+    def get(self, request_id: str) -> StructuredMatcher | None:
+        return self.matchers.get(request_id)
+
+    def for_batch(self, seqs: list[Sequence]) -> list[StructuredMatcher | None] | None:
+        """Row i: ``seqs[i]``'s matcher or None; None when no request of the batch has one."""
+        if not self.matchers:
+            return None
+        rows = [self.matchers.get(s.request_id) for s in seqs]
+        return rows if any(m is not None for m in rows) else None
+
+    def free(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def advance(self, seqs: list[Sequence]) -> list[tuple[Sequence, RequestStatus]]:
+        """After a step's tokens were applied: each running sequence's matcher consumes the output
+        tokens appended since it last did (``matcher.num_tokens`` counts them); a finished
+        sequence's matcher is dropped. Returns the sequences to end and why: FINISHED_ERROR for a
+        token the grammar refuses or a grammar that failed to build (a bug, never a silent bad
+        output), FINISHED_STOPPED for an ``ignore_eos`` request whose grammar is complete (nothing
+        else may follow)."""
+        ended = []
+        for seq in seqs:
+            m = self.matchers.get(seq.request_id)
+            if m is None:
+                continue
+            if seq.status.is_finished:
+                self.free(seq.request_id)
+                continue
+            new = seq.output_token_ids[m.num_tokens:]
+            if new and not m.accept(new):
+                log.error("structured_output_failed", request_id=seq.request_id, error=m.error)
+                ended.append((seq, RequestStatus.FINISHED_ERROR))
+            elif seq.sampling.ignore_eos and m.is_terminated:  # complete: EOS would not stop it, so stop here
+                ended.append((seq, RequestStatus.FINISHED_STOPPED))
+        return ended
+
+    def shutdown(self) -> None:
+        if self.compiler is not None:
+            self.compiler.shutdown()

@@ -60,11 +60,11 @@ def test_ngram_confidence_keys_tokens_the_target_replaced_before():
     d = dec._ngram_draft(seq, 3)
     assert d.tokens == [4, 1, 2] and [b[2] for b in d.buckets] == ["kept"] * 3
     seq.draft_token_ids = d.tokens
-    dec._buckets[id(seq)] = d.buckets
+    dec._buckets[seq.request_id] = d.buckets
     logits = torch.full((4, 16), -10.0)
     logits[0, 4] = logits[1, 9] = logits[2, 2] = logits[3, 0] = 10.0  # 4 accepted, 1 replaced by 9
     assert dec.verify(logits, [seq], [0], {}, []).token_ids == [[4, 9]]
-    assert seq.spec_state.replaced == {1} and seq.spec_state.last == "some"
+    assert dec.states["0"].replaced == {1} and dec.states["0"].last == "some"
     seq.draft_token_ids = []
     d = dec._ngram_draft(seq, 3)
     assert d.tokens == [4, 1, 2] and [b[2] for b in d.buckets] == ["kept", "replaced", "kept"]
@@ -99,7 +99,8 @@ def test_decode_step_model_follows_an_uncalibrated_engine_until_its_first_fit():
 
 
 def _decoder(cost: StepCostModel, verify: str = "adaptive") -> SpecDecoder:
-    engine = SimpleNamespace(cost_model=cost, model_config=SimpleNamespace(num_hidden_layers=4))  # no SPS points: the linear fallback
+    # no SPS points: the linear fallback; no structured output
+    engine = SimpleNamespace(cost_model=cost, model_config=SimpleNamespace(num_hidden_layers=4), structured=None)
     return SpecDecoder(SpecConfig(verify=verify, num_speculative_tokens=5), engine)
 
 

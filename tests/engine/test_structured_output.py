@@ -141,33 +141,34 @@ class AllowOnly:
             bitmask[row, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -(2**31)
 
 
-def seq_with(matcher, **sampling) -> Sequence:
-    s = Sequence("r", [5, 6], 2, SamplingParams(**sampling))
-    s.matcher = matcher
-    return s
+def seq_with(**sampling) -> Sequence:
+    return Sequence("r", [5, 6], 2, SamplingParams(**sampling))
 
 
 def test_the_grammar_mask_comes_first_for_greedy_sampling_and_logprobs_row_by_row():
     logits = torch.arange(40, dtype=torch.float32).repeat(3, 1)  # token 39 is everyone's argmax
-    seqs = [seq_with(AllowOnly(3, 7), temperature=0, logprobs=True, top_logprobs=3),
-            seq_with(None, temperature=0),
-            seq_with(AllowOnly(33), temperature=1.0, logit_bias={39: 100.0})]  # bias cannot lift a masked token
-    out = sample(logits, seqs, [None] * 3)
+    seqs = [seq_with(temperature=0, logprobs=True, top_logprobs=3),
+            seq_with(temperature=0),
+            seq_with(temperature=1.0, logit_bias={39: 100.0})]  # bias cannot lift a masked token
+    matchers = [AllowOnly(3, 7), None, AllowOnly(33)]
+    out = sample(logits, seqs, [None] * 3, matchers=matchers)
     assert out.token_ids == [7, 39, 33]
     lp = out.logprobs[0]
     assert lp.top[:2] == [(7, pytest.approx(math.log(1 / (1 + math.e ** -4)), abs=1e-6)),
                           (3, pytest.approx(math.log(1 / (1 + math.e ** 4)), abs=1e-6))]
     assert lp.top[2][1] == float("-inf")  # fewer allowed tokens than top_logprobs: the rest are -inf
     for _ in range(50):
-        assert sample(logits[2:], seqs[2:], [None]).token_ids[0] == 33
+        assert sample(logits[2:], seqs[2:], [None], matchers=matchers[2:]).token_ids[0] == 33
+    assert sample(logits, seqs, [None] * 3).token_ids[2] == 39  # no matchers: no grammar
 
 
 def test_a_complete_grammar_wins_over_min_tokens():
     logits = torch.tensor([[0.0, 1.0, 9.0, 2.0]])
     # the grammar allows only EOS (2), min_tokens bans it: EOS anyway (an all -inf row has no answer)
-    assert sample(logits, [seq_with(AllowOnly(2), temperature=0, min_tokens=5)], [None], [2]).token_ids == [2]
+    greedy = [seq_with(temperature=0, min_tokens=5)]
+    assert sample(logits, greedy, [None], [2], [AllowOnly(2)]).token_ids == [2]
     # it still bans EOS while the grammar allows something else
-    assert sample(logits, [seq_with(AllowOnly(1, 2), temperature=0, min_tokens=5)], [None], [2]).token_ids == [1]
+    assert sample(logits, greedy, [None], [2], [AllowOnly(1, 2)]).token_ids == [1]
 
 
 # --- matchers on the model's tokenizer (no weights) --------------------------------------------
@@ -330,7 +331,7 @@ def test_forced_arguments_have_exactly_the_declared_properties(compiler, tok):
 def engine(model_dir):
     e = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=256 << 20))
     yield e
-    e.grammars and e.grammars.shutdown()
+    e.structured.shutdown()
 
 
 def chat(tok, text: str) -> list[int]:
@@ -573,15 +574,15 @@ def test_verification_passes_its_own_draft_masks(compiler, tok):
     from deepinfer.engine.sampler import apply_logits_processors
 
     spec = {"type": "regex", "pattern": "[ab][cd]"}
-    s = seq_with(compiler.matcher(spec), temperature=0)
+    s, m = seq_with(temperature=0), compiler.matcher(spec)
     a = tok.encode("a")[0]
     bitmask = allocate_bitmask(2, 49152)
-    assert s.matcher.fill_bitmask_with_draft(bitmask, 0, [a]) == 1 and s.matcher.num_tokens == 0
+    assert m.fill_bitmask_with_draft(bitmask, 0, [a]) == 1 and m.num_tokens == 0
     logits = apply_logits_processors(torch.zeros(2, 49152), [s, s], [EOS], grammar_bitmask=bitmask)
     after_a = compiler.matcher(spec)
     assert after_a.accept([a])
     expected = allocate_bitmask(2, 49152)
-    s.matcher.fill_bitmask(expected, 0)
+    m.fill_bitmask(expected, 0)
     after_a.fill_bitmask(expected, 1)
     for row in range(2):
         assert torch.isfinite(logits[row]).nonzero().flatten().tolist() == allowed(expected, row, 49152)
