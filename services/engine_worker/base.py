@@ -52,7 +52,7 @@ class EngineWorker(Service):
         self.index: KVIndexClient | None = None  # set up by the prefill / decode service
 
     def start_engine(self) -> None:
-        self.async_engine = AsyncEngine(self.engine, self._count_outputs if self.prefill_only else self.on_outputs)
+        self.async_engine = AsyncEngine(self.engine, self.on_outputs)
         self.async_engine.start()
 
     async def start(self) -> None:
@@ -61,16 +61,9 @@ class EngineWorker(Service):
             await self.experts.start(self.mesh, self.async_engine)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
+        """One engine step's outputs, on the service's event loop (``AsyncEngine`` calls it): the
+        subclass publishes them (prefill: first tokens and handoffs; decode: token chunks)."""
         raise NotImplementedError
-
-    def _count_outputs(self, outputs: list[StepOutput]) -> None:
-        """Prefill: each output is a request's only one; count its prompt's prefix-cache hit by
-        traffic class (metrics), then ``on_outputs``."""
-        for out in outputs:
-            job = self.requests.get(out.request_id)
-            if job is not None:
-                metrics.count_prefix(job.req.traffic_class, out.num_prompt_tokens, out.num_cached_tokens)
-        self.on_outputs(outputs)
 
     def load_report(self) -> LoadReport:
         """The engine's load now (runs on the service's loop while the engine thread steps: the

@@ -66,7 +66,7 @@ from deepinfer.kvstore.embeddings import EmbeddingsReader
 from deepinfer.mesh import MeshError, RequestTimeout
 from deepinfer.protocol import (AbortLedger, AbortRequest, Attempt, DecodeRequest, ErrorReply, PrefillRequest, ProtocolError,
                                 SubmitReply, TokenChunk, reaches, subjects)
-from deepinfer.telemetry import get_logger, record_span, tracer
+from deepinfer.telemetry import get_logger, metrics, record_span, tracer
 
 log = get_logger(__name__)
 
@@ -187,10 +187,11 @@ class PrefillService(EngineWorker):
         self.aborted.record(msg)
 
     def on_outputs(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
+        for out in outputs:  # (each the request's only one: its first token)
             job = self.requests.pop(out.request_id, None)
             if job is None:  # aborted meanwhile
                 continue
+            metrics.count_prefix(job.req.traffic_class, out.num_prompt_tokens, out.num_cached_tokens)
             self.record_spans(job, out)
             self.spawn(self.finish_in(job, out))
 
