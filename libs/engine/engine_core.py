@@ -258,7 +258,8 @@ class EngineCore:
                 outputs.append(self._output(seq, sampled[i], logprobs[i], id(seq) in finished))
             if seq.status.is_finished and not seq.num_inflight_steps and seq.block_table:
                 self.kv.free(seq)
-                self._forget(seq.request_id)
+                if not self.scheduler.has(seq.request_id):  # (else a new copy of it, added since its abort)
+                    self._forget(seq.request_id)
         self._forget_launched(step)
         return self._take_failed() + outputs
 

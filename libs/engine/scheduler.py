@@ -91,6 +91,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has(self, request_id: str) -> bool:
+        """Whether a sequence of ``request_id`` is waiting or running."""
+        return any(s.request_id == request_id for q in (self.waiting, self.running) for s in q)
+
     def take_all(self) -> list[Sequence]:
         """Every waiting and running sequence, removed from the queues (the engine failed a step)."""
         seqs = [*self.waiting, *self.running]

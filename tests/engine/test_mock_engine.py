@@ -97,6 +97,26 @@ def test_steps_are_chunked_by_the_time_budget(model_dir):
     assert e.cost_model.num_fits == 0
 
 
+def test_a_request_added_again_while_its_aborted_copy_is_in_flight_keeps_its_own_state(model_dir):
+    """A decode worker that takes a resume of a request it was running (same request id) while the
+    aborted copy's step is still in flight: when that step comes back and the old copy's blocks are
+    freed, the new copy's per-request state (its seeded sampler) stays."""
+    e = MockEngine(model_dir, EngineConfig(), FAST)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    e.add_request("r", prompt(1, 20), seeded)
+    assert e.step_async() == [] and e.has_unfinished()  # the prompt's step is in flight
+    e.abort("r")
+    e.add_request("r", prompt(1, 20), seeded)  # the resume lands before that step is back
+    new = e.generators["r"]
+    e.step_async()  # the old copy's step comes back: its blocks are freed, not the new copy's state
+    assert e.generators.get("r") is new
+    out = []
+    while e.has_unfinished():
+        out += [o for o in e.step_async() if o.request_id == "r"]
+    assert sum(len(o.new_token_ids) for o in out) == 4 and out[-1].finish_reason == "length"
+    assert "r" not in e.generators and e.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.timing
 @pytest.mark.quiet  # the mock sleeps the modelled time: another test's load shows as its error
 def test_step_time_follows_the_timing_model(model_dir):
