@@ -582,7 +582,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 def _to_dict(msg) -> dict[str, Any]:
     # shallow: msgpack copies the field values into bytes at once (``dataclasses.asdict`` would
-    # deep-copy every list first: a third of a token chunk's encoding time); nested messages
+    # deep-copy every list first: about half of a token chunk's pack + unpack time); nested messages
     # (``NESTED``) turn into maps themselves
     d = {name: getattr(msg, name) for name in _field_names(type(msg))}
     for name in getattr(type(msg), "NESTED", {}):
